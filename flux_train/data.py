@@ -1,0 +1,134 @@
+"""Data for the trainer: the batch contract, the synthetic source, and (energon) loaders.
+
+Batch contract (DESIGN.md §4), per micro-batch: t5 [B,L,4096] bf16, clip [B,768] bf16, mean/logvar
+[B,16,H,W] bf16; val batches add timestep [B] int64 and valid [B] bool (False marks padding, so every
+rank runs the same number of forwards and each val sample counts exactly once).
+
+A source gives: `train` (an iterator of this rank's micro-batches in order, with state_dict /
+load_state_dict), `val()` (a fresh pass over this rank's val batches) and the empty encodings.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from flux_train.config import Config
+
+LATENT_CHANNELS = 16
+
+
+@dataclass
+class DataSource:
+    train: "TrainStream"
+    val: Callable[[], Iterator[dict]]
+    empty_t5: torch.Tensor  # [1, L, D] bf16
+    empty_clip: torch.Tensor  # [1, 768] bf16
+    val_size: int
+
+
+class TrainStream:
+    """Iterator of micro-batches with a resumable position."""
+
+    def __iter__(self) -> "TrainStream":
+        return self
+
+    def __next__(self) -> dict:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+
+def _synthetic_samples(n: int, text_len: int, latent: int, t5_dim: int, clip_dim: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "t5": torch.randn(n, text_len, t5_dim, generator=g).to(torch.bfloat16),
+        "clip": torch.randn(n, clip_dim, generator=g).to(torch.bfloat16),
+        "mean": torch.randn(n, LATENT_CHANNELS, latent, latent, generator=g).to(torch.bfloat16),
+        "logvar": (torch.randn(n, LATENT_CHANNELS, latent, latent, generator=g) - 4.0).to(torch.bfloat16),
+    }
+
+
+class SyntheticTrainStream(TrainStream):
+    """A fixed random set, reshuffled each epoch; global batch `step` is positions [step*GBS, (step+1)*GBS)
+    of the epoch-wise permutation and rank r takes its contiguous slice, so data do not depend on the
+    number of ranks (the 1-vs-N parity test relies on it)."""
+
+    def __init__(self, samples: dict, gbs: int, mbs: int, rank: int, world: int, seed: int):
+        self.samples, self.gbs, self.mbs, self.seed = samples, gbs, mbs, seed
+        self.n = samples["t5"].shape[0]
+        self.per_rank = gbs // world
+        self.rank = rank
+        self.consumed = 0  # micro-batches this rank has yielded
+
+    def _position(self, offset: int) -> int:
+        micro_per_rank = self.per_rank // self.mbs
+        step, within = divmod(self.consumed, micro_per_rank)
+        return step * self.gbs + self.rank * self.per_rank + within * self.mbs + offset
+
+    def __next__(self) -> dict:
+        idx = []
+        for j in range(self.mbs):
+            epoch, pos = divmod(self._position(j), self.n)
+            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+            idx.append(int(perm[pos]))
+        self.consumed += 1
+        return {k: v[idx] for k, v in self.samples.items()}
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = int(state["consumed"])
+
+
+def shard_val_indices(n: int, rank: int, world: int, batch: int) -> list[list[int]]:
+    """Round-robin split of n val samples; every rank gets the same number of batches (-1 = padding)."""
+    mine = list(range(rank, n, world))
+    batches = math.ceil(math.ceil(n / world) / batch)
+    mine += [-1] * (batches * batch - len(mine))
+    return [mine[i * batch:(i + 1) * batch] for i in range(batches)]
+
+
+def _synthetic_val(samples: dict, rank: int, world: int, batch: int) -> Callable[[], Iterator[dict]]:
+    n = samples["t5"].shape[0]
+    timesteps = torch.arange(n) % 8
+
+    def passes() -> Iterator[dict]:
+        for idx in shard_val_indices(n, rank, world, batch):
+            valid = torch.tensor([i >= 0 for i in idx])
+            safe = [max(i, 0) for i in idx]
+            out = {k: v[safe] for k, v in samples.items()}
+            out["timestep"] = timesteps[safe]
+            out["valid"] = valid
+            yield out
+
+    return passes
+
+
+def build_synthetic(cfg: Config, rank: int, world: int) -> DataSource:
+    d, m = cfg.data, cfg.model
+    train = _synthetic_samples(d.synthetic_train_samples, d.synthetic_text_len, d.synthetic_latent_size,
+                               m.joint_attention_dim, m.pooled_projection_dim, cfg.train.seed)
+    if d.synthetic_val_samples > d.synthetic_train_samples:
+        raise ValueError("data.synthetic_val_samples must be <= data.synthetic_train_samples")
+    # val is a subset of train: the synthetic set exists to show the trainer can overfit it
+    val = {k: v[:d.synthetic_val_samples] for k, v in train.items()}
+    empty = _synthetic_samples(1, d.synthetic_text_len, 2, m.joint_attention_dim, m.pooled_projection_dim,
+                               cfg.train.seed + 2)
+    stream = SyntheticTrainStream(train, cfg.train.global_batch_size, cfg.train.micro_batch_size, rank, world,
+                                  cfg.train.seed)
+    return DataSource(stream, _synthetic_val(val, rank, world, cfg.eval.batch_size), empty["t5"],
+                      empty["clip"], d.synthetic_val_samples)
+
+
+def build_data(cfg: Config, rank: int, world: int) -> DataSource:
+    if cfg.data.source == "synthetic":
+        return build_synthetic(cfg, rank, world)
+    raise NotImplementedError("data.source=energon lands with the data issue")

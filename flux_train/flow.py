@@ -1,0 +1,121 @@
+"""Rectified-flow math of the MLPerf flux1 task (DESIGN.md §3): latents, noising, target, loss, dropout.
+
+Everything that draws random numbers takes an explicit torch.Generator so each data-parallel rank owns its
+stream (noise/timesteps and caption dropout on separate generators) and tests can replay it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+EVAL_TIMESTEP_BINS = 8
+
+# streams of random numbers, each seeded per (seed, step, global micro-batch) so that every data-parallel
+# rank draws its own numbers, a resumed run draws the same ones, and the draws do not depend on how the
+# global batch is split across ranks
+STREAM_NOISE, STREAM_DROPOUT, STREAM_EVAL = 0, 1, 2
+
+
+def seeded_generator(device: torch.device, seed: int, step: int, micro_batch: int, stream: int) -> torch.Generator:
+    mixed = np.random.SeedSequence([seed, step, micro_batch, stream]).generate_state(2, dtype=np.uint32)
+    return torch.Generator(device=device).manual_seed(int(mixed[0]) << 31 | int(mixed[1]) >> 1)
+
+
+def sample_latent(mean: torch.Tensor, logvar: torch.Tensor, eps: torch.Tensor, shift: float,
+                  scale: float) -> torch.Tensor:
+    """x0 = (mean + exp(logvar/2) * eps - shift) * scale, in fp32."""
+    z = mean.float() + torch.exp(0.5 * logvar.float()) * eps.float()
+    return (z - shift) * scale
+
+
+def pack(latent: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, (H/2)(W/2), 4C]: 2x2 patches, channel-major within a patch (as the reference)."""
+    b, c, h, w = latent.shape
+    x = latent.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    b, _, c4 = tokens.shape
+    x = tokens.view(b, height // 2, width // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c4 // 4, height, width)
+
+
+def image_ids(height: int, width: int, device=None) -> torch.Tensor:
+    """(0, row, col) for each 2x2 patch of an H x W latent, row-major."""
+    rows, cols = height // 2, width // 2
+    ids = torch.zeros(rows * cols, 3, device=device)
+    ids[:, 1] = torch.arange(rows, device=device).repeat_interleave(cols)
+    ids[:, 2] = torch.arange(cols, device=device).repeat(rows)
+    return ids
+
+
+def text_ids(length: int, device=None) -> torch.Tensor:
+    return torch.zeros(length, 3, device=device)
+
+
+def noised(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_t = (1 - t) x0 + t noise and the velocity target noise - x0; t broadcasts per sample."""
+    tb = t.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
+    return (1.0 - tb) * x0 + tb * noise, noise - x0
+
+
+def mse_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over all elements, in fp32."""
+    return torch.mean((pred.float() - target.float()) ** 2)
+
+
+def per_sample_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over every dim but the batch, in fp32 (the eval metric)."""
+    return ((pred.float() - target.float()) ** 2).flatten(1).mean(1)
+
+
+def eval_timesteps(k: torch.Tensor) -> torch.Tensor:
+    """t = k / 8 for the pre-assigned integer bins k in 0..7 (not midpoints)."""
+    return k.float() / EVAL_TIMESTEP_BINS
+
+
+def caption_dropout(t5: torch.Tensor, clip: torch.Tensor, empty_t5: torch.Tensor, empty_clip: torch.Tensor,
+                    prob: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """With probability `prob` per sample replace both encodings by the empty-string ones."""
+    drop = torch.rand(t5.shape[0], device=t5.device, generator=gen) < prob
+    t5 = torch.where(drop.view(-1, 1, 1), empty_t5.to(t5.dtype).expand_as(t5), t5)
+    clip = torch.where(drop.view(-1, 1), empty_clip.to(clip.dtype).expand_as(clip), clip)
+    return t5, clip, drop
+
+
+@dataclass
+class ModelInputs:
+    hidden_states: torch.Tensor
+    encoder_hidden_states: torch.Tensor
+    pooled_projections: torch.Tensor
+    timestep: torch.Tensor
+    img_ids: torch.Tensor
+    txt_ids: torch.Tensor
+
+    def as_kwargs(self) -> dict:
+        return dict(hidden_states=self.hidden_states, encoder_hidden_states=self.encoder_hidden_states,
+                    pooled_projections=self.pooled_projections, timestep=self.timestep, img_ids=self.img_ids,
+                    txt_ids=self.txt_ids, return_dict=False)
+
+
+def build_inputs(batch: dict, t: torch.Tensor, gen: torch.Generator, shift: float, scale: float,
+                 dtype: torch.dtype) -> tuple[ModelInputs, torch.Tensor]:
+    """Model inputs and velocity target for a batch (dict of t5, clip, mean, logvar) at timesteps t."""
+    mean, logvar = batch["mean"], batch["logvar"]
+    _, _, height, width = mean.shape
+    eps_latent = torch.randn(mean.shape, device=mean.device, generator=gen)
+    x0 = pack(sample_latent(mean, logvar, eps_latent, shift, scale))
+    noise = torch.randn(x0.shape, device=x0.device, generator=gen)
+    x_t, target = noised(x0, noise, t)
+    inputs = ModelInputs(
+        hidden_states=x_t.to(dtype),
+        encoder_hidden_states=batch["t5"].to(dtype),
+        pooled_projections=batch["clip"].to(dtype),
+        timestep=t.float(),
+        img_ids=image_ids(height, width, device=mean.device),
+        txt_ids=text_ids(batch["t5"].shape[1], device=mean.device),
+    )
+    return inputs, target

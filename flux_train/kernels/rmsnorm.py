@@ -1,0 +1,139 @@
+"""RMSNorm over the last dim with fp32 math and a learned scale: the Q/K norms of Flux (dim 128, eps 1e-6).
+
+`rms_norm(x, weight, eps)` runs the Triton forward/backward kernels on a GPU when Triton is importable and
+`impl` allows it, otherwise the torch expression below (also the CPU path and the test reference).
+The Triton path is a `torch.library.triton_op`, so torch.compile traces it and CUDA graphs capture it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+try:  # Triton ships with CUDA/ROCm builds of torch only
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs
+    HAVE_TRITON = False
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return y.to(x.dtype)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _rmsnorm_fwd_kernel(X, W, Y, RSTD, n_rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                            ROWS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_D)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
+        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+
+    @triton.jit
+    def _rmsnorm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                            ROWS: tl.constexpr, TILES: tl.constexpr):
+        # each program walks TILES tiles of ROWS rows and keeps one fp32 partial of dW
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for t in range(TILES):
+            rows = (pid * TILES + t) * ROWS + tl.arange(0, ROWS)
+            mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
+            offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=rows < n_rows, other=0.0)
+            xhat = x * rstd[:, None]
+            wdy = w[None, :] * dy
+            c = tl.sum(wdy * xhat, axis=1) / D
+            dx = (wdy - xhat * c[:, None]) * rstd[:, None]
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += tl.sum(dy * xhat, axis=0)
+        tl.store(DW_PARTIAL + pid * BLOCK_D + cols, dw, mask=cols < D)
+
+    def _launch_shape(d: int) -> tuple[int, int]:
+        block_d = triton.next_power_of_2(d)
+        rows = max(1, min(64, 8192 // block_d))
+        return block_d, rows
+
+    @triton_op("flux_train::rmsnorm_fwd", mutates_args=())
+    def _rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        d = x.shape[-1]
+        x2 = x.reshape(-1, d)
+        n = x2.shape[0]
+        y = torch.empty_like(x2)
+        rstd = torch.empty(n, device=x.device, dtype=torch.float32)
+        block_d, rows = _launch_shape(d)
+        wrap_triton(_rmsnorm_fwd_kernel)[(triton.cdiv(n, rows),)](
+            x2, weight, y, rstd, n, eps, D=d, BLOCK_D=block_d, ROWS=rows)
+        return y.view(x.shape), rstd
+
+    @triton_op("flux_train::rmsnorm_bwd", mutates_args=())
+    def _rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = x.shape[-1]
+        x2 = x.reshape(-1, d)
+        dy2 = dy.reshape(-1, d)
+        n = x2.shape[0]
+        dx = torch.empty_like(x2)
+        block_d, rows = _launch_shape(d)
+        tiles = 8
+        programs = triton.cdiv(n, rows * tiles)
+        partial = torch.empty(programs, block_d, device=x.device, dtype=torch.float32)
+        wrap_triton(_rmsnorm_bwd_kernel)[(programs,)](
+            dy2, x2, weight, rstd, dx, partial, n, D=d, BLOCK_D=block_d, ROWS=rows, TILES=tiles)
+        dw = partial[:, :d].sum(0).to(weight.dtype)
+        return dx.view(x.shape), dw
+
+    def _setup_context(ctx, inputs, output):
+        x, weight, _eps = inputs
+        ctx.save_for_backward(x, weight, output[1])
+
+    def _backward(ctx, dy, _drstd):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _rmsnorm_bwd(dy.contiguous(), x, weight, rstd)
+        return dx, dw, None
+
+    _rmsnorm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_available(device: torch.device | str) -> bool:
+    return HAVE_TRITON and torch.device(device).type == "cuda"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
+    use_triton = impl == "triton" or (impl == "auto" and triton_available(x.device))
+    if use_triton:
+        if not triton_available(x.device):
+            raise RuntimeError("perf.rmsnorm=triton needs a GPU and Triton; use perf.rmsnorm=auto or torch")
+        return _rmsnorm_fwd(x.contiguous(), weight, eps)[0]
+    return rms_norm_torch(x, weight, eps)
+
+
+class RMSNorm(nn.Module):
+    """Drop-in for torch.nn.RMSNorm(dim, eps) with the same `weight` parameter name (diffusers export)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, impl: str = "auto", device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.impl = impl
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.impl)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, impl={self.impl}"

@@ -1,0 +1,95 @@
+"""Training metrics: throughput, TFLOP/s, MFU, memory, data wait; a metrics line, a progress bar, TensorBoard."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# dense bf16 peak per GPU, for MFU; the bench measures the achievable ceiling itself
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "MI300X": 1307.0, "MI325X": 1307.0,
+                    "MI355X": 2500.0}
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+class Metrics:
+    """Accumulates step timings between log lines; rank 0 prints and writes JSONL/TensorBoard."""
+
+    def __init__(self, out_dir: Path, device: torch.device, flops_per_sample: float, world_size: int,
+                 max_steps: int, enabled: bool, progress_bar: bool, tensorboard: bool):
+        self.device, self.flops_per_sample, self.world = device, flops_per_sample, world_size
+        self.enabled = enabled
+        self.peak = peak_tflops(device)
+        self._t0 = time.perf_counter()
+        self._samples = 0
+        self._data_wait = 0.0
+        self.jsonl = (out_dir / "metrics.jsonl").open("a") if enabled else None
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except ImportError:
+                print("logging.tensorboard=true but tensorboard is not installed; pip install tensorboard",
+                      file=sys.stderr)
+        self.bar = None
+        if enabled and progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=max_steps, unit="step", dynamic_ncols=True)
+
+    def add_step(self, samples: int, data_wait_s: float) -> None:
+        self._samples += samples
+        self._data_wait += data_wait_s
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def reset_window(self) -> None:
+        self._t0, self._samples, self._data_wait = time.perf_counter(), 0, 0.0
+
+    def log(self, step: int, **scalars: float) -> dict:
+        """Close the timing window, print the metrics line; scalars are already-synced floats."""
+        elapsed = max(time.perf_counter() - self._t0, 1e-9)
+        sps = self._samples / elapsed
+        tflops = sps * self.flops_per_sample / 1e12 / self.world
+        row = {"step": step, **scalars, "samples_per_s": sps, "samples_per_s_per_gpu": sps / self.world,
+               "tflops_per_gpu": tflops, "data_wait_pct": 100.0 * self._data_wait / elapsed}
+        if self.peak:
+            row["mfu_pct"] = 100.0 * tflops / self.peak
+        if self.device.type == "cuda":
+            row["mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.reset_window()
+        if self.enabled:
+            self.emit(row)
+        return row
+
+    def emit(self, row: dict) -> None:
+        text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+        if self.bar is not None:
+            self.bar.write(text)
+            self.bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}")
+        else:
+            print(text, flush=True)
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,67 @@
+"""MLLOG events through mlperf-logging, from rank 0 only (DESIGN.md §3, reference.md §2)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlperf_logging import mllog
+from mlperf_logging.mllog import constants as C
+
+from flux_train.config import EVAL_SAMPLES, TRAIN_SAMPLES, Config
+
+EVALUATION_FREQUENCY = "evaluation_frequency"  # no constant in mlperf_logging; the reference logs the literal
+
+
+class MLLogger:
+    """Thin wrapper: no-ops on ranks other than 0, one file per run plus stdout."""
+
+    def __init__(self, path: Path | None, enabled: bool, append: bool = False):
+        """`append` keeps an earlier log (a resumed run); a fresh run starts a fresh file."""
+        self.enabled = enabled
+        if enabled:
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if not append:
+                    path.unlink(missing_ok=True)
+                mllog.config(filename=str(path), default_stack_offset=2)
+            self._log = mllog.get_mllogger()
+
+    def event(self, key: str, value=None, **metadata) -> None:
+        if self.enabled:
+            self._log.event(key=key, value=value, metadata=metadata or None)
+
+    def start(self, key: str, value=None, **metadata) -> None:
+        if self.enabled:
+            self._log.start(key=key, value=value, metadata=metadata or None)
+
+    def end(self, key: str, value=None, **metadata) -> None:
+        if self.enabled:
+            self._log.end(key=key, value=value, metadata=metadata or None)
+
+    def run_parameters(self, cfg: Config, world_size: int) -> None:
+        """Everything the checker wants before run_start, with init_start last."""
+        t, lg = cfg.train, cfg.logging
+        accumulation = t.global_batch_size // (t.micro_batch_size * world_size)
+        self.event(C.CACHE_CLEAR, True)
+        self.event(C.SUBMISSION_BENCHMARK, C.FLUX1)
+        self.event(C.SUBMISSION_DIVISION, lg.submission_division)
+        self.event(C.SUBMISSION_ORG, lg.submission_org)
+        self.event(C.SUBMISSION_PLATFORM, lg.submission_platform)
+        self.event(C.SUBMISSION_POC_NAME, lg.submission_poc_name)
+        self.event(C.SUBMISSION_POC_EMAIL, lg.submission_poc_email)
+        self.event(C.SUBMISSION_STATUS, lg.submission_status)
+        self.event(C.TRAIN_SAMPLES, TRAIN_SAMPLES)
+        self.event(C.EVAL_SAMPLES, EVAL_SAMPLES)
+        self.event(C.SEED, t.seed)
+        self.event(C.GLOBAL_BATCH_SIZE, t.global_batch_size)
+        self.event("micro_batch_size", t.micro_batch_size)
+        self.event(C.OPT_NAME, "adamw")
+        self.event(C.OPT_BASE_LR, t.lr)
+        self.event(C.OPT_LR_WARMUP_STEPS, t.warmup_steps)
+        self.event(C.OPT_ADAMW_BETA_1, t.adam_beta1)
+        self.event(C.OPT_ADAMW_BETA_2, t.adam_beta2)
+        self.event(C.OPT_ADAMW_EPSILON, t.adam_eps)
+        self.event(C.OPT_ADAMW_WEIGHT_DECAY, t.weight_decay)
+        self.event(C.OPT_GRADIENT_CLIP_NORM, t.grad_clip_norm)
+        self.event(C.GRADIENT_ACCUMULATION_STEPS, accumulation)
+        # the rule's sample cadence (262144); a debug run's eval.every_steps does not change what is logged
+        self.event(EVALUATION_FREQUENCY, cfg.eval.every_samples)

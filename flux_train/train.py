@@ -1,0 +1,211 @@
+"""The training loop: `python -m flux_train.train --config configs/debug.yaml [--set section.key=value ...]`.
+
+Order (MLPerf rules): run parameters + init_start -> build, shard, initialise, warm up -> init_stop +
+run_start -> first touch of real data -> steps, an eval every ceil(262144/GBS) steps -> stop at the first
+eval <= target (success) or at train.max_steps (aborted) -> run_stop.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import warnings
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from flux_train import flow
+from flux_train.config import Config, ConfigError, eval_interval_steps, load_config, validate
+from flux_train.data import build_data
+from flux_train.evaluate import evaluate
+from flux_train.metrics import Metrics
+from flux_train.mllog import C, MLLogger
+from flux_train.model import build_model, count_params, flops_per_sample, materialize
+from flux_train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from flux_train.parallel import all_reduce_sum, init_distributed, parallelize, shutdown
+
+# diffusers blocks return views; we never modify them in place, which is what this FSDP2 warning is about
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.dist = init_distributed(cfg.parallel, cfg.train.device)
+        validate(cfg, self.dist.world_size)
+        self.out_dir = Path(cfg.logging.out_dir)
+        if self.dist.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        self.mllog = MLLogger(self.out_dir / cfg.logging.mllog_file, enabled=self.dist.is_main)
+        self.mllog.run_parameters(cfg, self.dist.world_size)
+        self.mllog.start(C.INIT_START)
+
+        t = cfg.train
+        self.device = self.dist.device
+        self.dtype = DTYPES[t.compute_dtype]
+        self.accum = t.global_batch_size // (t.micro_batch_size * self.dist.world_size)
+        self.model = build_model(cfg.model, cfg.perf.rmsnorm)
+        self.n_params = count_params(self.model)
+        parallelize(self.model, self.dist.mesh, cfg.parallel, self.dtype)
+        materialize(self.model, self.device, t.seed)
+        self.optimizer = build_optimizer(self.model, t)
+        self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
+        self.empty_t5 = self.data.empty_t5.to(self.device)
+        self.empty_clip = self.data.empty_clip.to(self.device)
+        self.step = 0
+        self.eval_count = 0
+        self.stop_requested = False
+
+    # ------------------------------------------------------------------ one optimizer step
+
+    def _micro_batch(self, batch: dict, micro_index: int) -> torch.Tensor:
+        t = self.cfg.train
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        global_micro = self.dist.rank * self.accum + micro_index
+        gen = flow.seeded_generator(self.device, t.seed, self.step, global_micro, flow.STREAM_NOISE)
+        drop_gen = flow.seeded_generator(self.device, t.seed, self.step, global_micro, flow.STREAM_DROPOUT)
+        batch["t5"], batch["clip"], _ = flow.caption_dropout(batch["t5"], batch["clip"], self.empty_t5,
+                                                             self.empty_clip, t.caption_dropout_prob, drop_gen)
+        timesteps = torch.rand(batch["t5"].shape[0], device=self.device, generator=gen)
+        inputs, target = flow.build_inputs(batch, timesteps, gen, t.latent_shift, t.latent_scale, self.dtype)
+        pred = self.model(**inputs.as_kwargs())[0]
+        return flow.mse_loss(pred, target)
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
+        t = self.cfg.train
+        set_lr(self.optimizer, lr_at(self.step, t.lr, t.warmup_steps))
+        loss_sum = torch.zeros((), device=self.device)
+        data_wait = 0.0
+        for micro in range(self.accum):
+            t0 = time.perf_counter()
+            batch = next(self.data.train)
+            data_wait += time.perf_counter() - t0
+            self.model.set_requires_gradient_sync(micro == self.accum - 1)
+            loss = self._micro_batch(batch, micro) / self.accum
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(self.model, t.grad_clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss_sum, grad_norm, data_wait
+
+    # ------------------------------------------------------------------ eval and the loop
+
+    def run_eval(self) -> float:
+        t = self.cfg.train
+        samples = self.step * t.global_batch_size
+        self.mllog.start(C.EVAL_START, samples_count=samples)
+        val_loss, count = evaluate(self.model, self.data.val(), device=self.device, dtype=self.dtype, seed=t.seed,
+                                   eval_index=self.eval_count, rank=self.dist.rank, shift=t.latent_shift,
+                                   scale=t.latent_scale)
+        self.eval_count += 1
+        if count != self.data.val_size:
+            raise RuntimeError(f"eval counted {count} samples, the val set has {self.data.val_size}")
+        self.mllog.event(C.EVAL_ACCURACY, val_loss, samples_count=samples)
+        self.mllog.end(C.EVAL_STOP, samples_count=samples)
+        return val_loss
+
+    def _install_stop_signal(self) -> None:
+        # Slurm's warning signal (submitit uses USR2) asks for a checkpoint at the next agreed step boundary
+        def handler(signum, frame):
+            self.stop_requested = True
+
+        if hasattr(signal, "SIGUSR2"):
+            signal.signal(signal.SIGUSR2, handler)
+
+    def _stop_agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
+        return bool(all_reduce_sum(flag).item() > 0)
+
+    def run(self) -> str:
+        cfg, t = self.cfg, self.cfg.train
+        interval = eval_interval_steps(cfg)
+        metrics = Metrics(self.out_dir, self.device, flops_per_sample(cfg.model, *self._token_counts()),
+                          self.dist.world_size, t.max_steps, self.dist.is_main, cfg.logging.progress_bar,
+                          cfg.logging.tensorboard)
+        if self.dist.is_main:
+            print(f"flux-train: {cfg.model.flavor} {self.n_params / 1e9:.3f} B params, world {self.dist.world_size}, "
+                  f"GBS {t.global_batch_size} (micro {t.micro_batch_size} x accum {self.accum}), "
+                  f"eval every {interval} steps, device {self.device}", flush=True)
+        self._install_stop_signal()
+        self.mllog.end(C.INIT_STOP)
+        self.mllog.start(C.RUN_START)
+        self.mllog.start(C.BLOCK_START, samples_count=self.step * t.global_batch_size)
+        status = C.ABORTED
+        window_loss = torch.zeros((), device=self.device)
+        window_steps = 0
+        metrics.reset_window()
+        while self.step < t.max_steps:
+            loss, grad_norm, wait = self.train_step()
+            window_loss += loss
+            window_steps += 1
+            metrics.add_step(t.global_batch_size, wait)
+            if self.step % cfg.logging.log_every == 0:
+                mean_loss = all_reduce_sum(window_loss.clone()).item() / (window_steps * self.dist.world_size)
+                metrics.log(self.step, loss=mean_loss, lr=lr_at(self.step - 1, t.lr, t.warmup_steps),
+                            grad_norm=float(grad_norm))
+                window_loss.zero_()
+                window_steps = 0
+                if self._stop_agreed():
+                    status = "preempted"
+                    break
+            if cfg.eval.enabled and self.step % interval == 0:
+                samples = self.step * t.global_batch_size
+                self.mllog.end(C.BLOCK_STOP, samples_count=samples)
+                val_loss = self.run_eval()
+                metrics.emit({"step": self.step, "samples": samples, "val_loss": val_loss})
+                if val_loss <= cfg.eval.target:
+                    status = C.SUCCESS
+                    break
+                self.mllog.start(C.BLOCK_START, samples_count=samples)
+                metrics.reset_window()
+        else:
+            self.mllog.end(C.BLOCK_STOP, samples_count=self.step * t.global_batch_size)
+        metrics.close()
+        if status != "preempted":
+            self.mllog.end(C.RUN_STOP, status=status, samples_count=self.step * t.global_batch_size)
+        if self.dist.is_main:
+            print(f"flux-train: finished at step {self.step}, status {status}", flush=True)
+        return status
+
+    def _token_counts(self) -> tuple[int, int]:
+        probe = next(iter(self.data.val()))
+        _, _, h, w = probe["mean"].shape
+        return probe["t5"].shape[1], (h // 2) * (w // 2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m flux_train.train", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/debug.yaml", help="YAML config (default: configs/debug.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value; repeatable")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trainer = Trainer(cfg)
+        trainer.run()
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
