@@ -1,0 +1,79 @@
+"""The local debug run end to end on the CPU: it overfits, stops at the target, and its MLLOG passes the
+official compliance checker."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flux_train.train import main
+
+
+@pytest.fixture(scope="module")
+def debug_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("debug")
+    proc = subprocess.run([sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml",
+                           "--set", f"logging.out_dir={out}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def read_log(path):
+    return [json.loads(line.split(":::MLLOG ", 1)[1]) for line in path.read_text().splitlines() if ":::MLLOG" in line]
+
+
+def test_debug_run_overfits_and_stops_with_success(debug_run):
+    out, stdout = debug_run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(losses) >= 3 and losses[-1] < 0.75 * losses[0], losses
+    assert vals[-1] <= 0.586 < vals[0], vals
+    events = read_log(out / "mllog.log")
+    run_stop = [e for e in events if e["key"] == "run_stop"]
+    assert len(run_stop) == 1 and run_stop[0]["metadata"]["status"] == "success"
+    assert "status success" in stdout
+    for key in ("loss", "lr", "grad_norm", "samples_per_s", "tflops_per_gpu", "data_wait_pct"):
+        assert key in rows[0], key
+
+
+def test_mllog_has_every_key_in_order(debug_run):
+    out, _ = debug_run
+    events = read_log(out / "mllog.log")
+    keys = [e["key"] for e in events]
+    before_run = keys[:keys.index("run_start")]
+    for key in ("cache_clear", "submission_benchmark", "submission_org", "submission_platform", "train_samples",
+                "eval_samples", "seed", "global_batch_size", "opt_name", "opt_base_learning_rate",
+                "opt_learning_rate_warmup_steps", "opt_adamw_beta_1", "opt_adamw_beta_2", "opt_adamw_epsilon",
+                "opt_adamw_weight_decay", "opt_gradient_clip_norm", "gradient_accumulation_steps",
+                "evaluation_frequency", "init_start", "init_stop"):
+        assert key in before_run, key
+    value = {e["key"]: e["value"] for e in events}
+    assert value["evaluation_frequency"] == 262144 and value["train_samples"] == 1099776
+    assert value["eval_samples"] == 29696 and value["submission_benchmark"] == "flux1"
+    evals = [e for e in events if e["key"] == "eval_accuracy"]
+    assert all(e["metadata"]["samples_count"] % 8 == 0 and e["metadata"]["samples_count"] > 0 for e in evals)
+    assert keys.index("init_start") < keys.index("init_stop") < keys.index("run_start") < keys.index("block_start")
+
+
+def test_official_compliance_checker_accepts_the_log(debug_run):
+    out, _ = debug_run
+    proc = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+                           "--ruleset", "6.0.0", str(out / "mllog.log")], capture_output=True, text=True,
+                          timeout=300, cwd=out)
+    assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_step_cap_ends_aborted(tmp_path):
+    rc = main(["--config", "configs/debug.yaml", "--set", f"logging.out_dir={tmp_path}", "--set", "train.max_steps=4",
+               "--set", "eval.every_steps=2", "--set", "logging.log_every=2"])
+    assert rc == 0
+    events = read_log(tmp_path / "mllog.log")
+    assert [e["metadata"]["status"] for e in events if e["key"] == "run_stop"] == ["aborted"]
+    assert len([e for e in events if e["key"] == "eval_accuracy"]) == 2
+
+
+def test_config_error_exits_2_with_message(tmp_path, capsys):
+    rc = main(["--config", "configs/debug.yaml", "--set", "train.micro_batch_size=3"])
+    assert rc == 2
+    assert "train.global_batch_size 8 is not divisible by train.micro_batch_size 3" in capsys.readouterr().err
