@@ -139,38 +139,54 @@ class LoggingConfig:
 @dataclass
 class SlurmConfig:
     nodes: int = 1
+    # GPUs per node = workers per node (CPU worker processes on a CPU-only run)
     gpus_per_node: int = 8
-    cpus_per_task: int = 0
-    mem_gb: int = 0
+    cpus_per_task: int = 0  # 0: Slurm's default
+    mem_gb: int = 0  # 0: all of the node's memory (--mem=0)
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
     time_min: int = 240
     job_name: str = "flux-train"
+    # submitit's folder (pickles, per-node logs); %j is the job id; must be visible from every node
     folder: str = "runs/submitit/%j"
+    # Slurm sends USR2 this long before the time limit: one step + a checkpoint save + slack
     signal_delay_s: int = 120
+    # the job requeues itself at most this many times (preemptions and time limits alike)
     max_requeue: int = 10
     exclusive: bool = True
+    # extra `#SBATCH --key=value` lines (value true = a bare flag)
     additional: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class ContainerConfig:
     runtime: Literal["none", "pyxis", "apptainer", "docker", "podman"] = "none"
+    # pyxis: a registry image or a squashfs path starting with / or ./; apptainer: a .sif; docker/podman: a tag
     image: Optional[str] = None
+    # "SRC", "SRC:DST" or "SRC:DST:ro"; the submit directory and submitit's folder are added automatically
     mounts: list[str] = field(default_factory=list)
+    # working directory inside the container; default: the submit directory, mounted at the same path
     workdir: Optional[str] = None
+    # the image's Python; /usr/bin/env resolves it inside the image (pyxis checks the path on the host first)
+    python: str = "/usr/bin/env python3"
+    # docker/podman only (pyxis and apptainer pass the whole environment): extra variable names to pass in
+    env: list[str] = field(default_factory=list)
     extra_args: list[str] = field(default_factory=list)
 
 
 @dataclass
 class EnvConfig:
+    # slurm/env/<profile>.env: NCCL (nvidia) or RCCL/HSA (amd) defaults; variables already set in the job win
     profile: Literal["none", "nvidia", "amd"] = "none"
+    # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME; "auto" = the interface of the default route
     socket_ifname: Optional[str] = None
-    ib_hca: Optional[str] = None
+    ib_hca: Optional[str] = None  # NCCL_IB_HCA
+    # c10d rendezvous port on the job's first host; 0 = derived from the job id
     master_port: int = 29500
-    compile_cache_dir: Optional[str] = None
-    runtime_tunables: bool = False
+    # node-local scratch for compile caches and worker logs; default $TMPDIR or /tmp
+    local_dir: Optional[str] = None
+    runtime_tunables: bool = False  # run slurm/runtime_tunables.sh once per node before the workers
     vars: dict[str, str] = field(default_factory=dict)
 
 

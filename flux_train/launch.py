@@ -1,0 +1,358 @@
+"""Per-node agent: one per node (one Slurm task per node), inside the container when there is one.
+
+    python -m flux_train.launch --config CONFIG [--set section.key=value ...] [--local]
+
+flux_train.submit runs the same agent through submitit (NodeAgent); slurm/flux.sbatch runs this command.
+In order: export the environment profile (slurm/env/<profile>.env, socket interface, IB HCAs, env.vars;
+a variable already set in the job's environment is kept), point the compile caches at node-local disk,
+optionally run slurm/runtime_tunables.sh, then start one worker per GPU with torch's elastic launcher
+(c10d rendezvous on the job's first host) running `python -m flux_train.train`. A failed worker ends this
+node with its rank, host and cause in the log; srun's --kill-on-bad-exit then ends the other nodes.
+
+Preemption and time limits: Slurm sends USR2 to this agent, which passes it on to its workers; they save
+a checkpoint and exit with PREEMPTED_EXIT_CODE; the agent then creates the flag file named by
+$FLUX_REQUEUE_FLAG, which the batch script's teardown turns into `scontrol requeue` on the host (so no
+Slurm client is needed in the container). The requeued job resumes with checkpoint.resume=auto.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from flux_train.config import Config, ConfigError, load_config, validate
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILES = REPO / "slurm" / "env"
+TUNABLES = REPO / "slurm" / "runtime_tunables.sh"
+REQUEUE_FLAG_ENV = "FLUX_REQUEUE_FLAG"
+PREEMPTED_EXIT_CODE = 75  # flux_train.train.EXIT_PREEMPTED: saved a checkpoint on USR2, then stopped
+IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died; the message names its rank, host and cause."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """Where this agent runs in the job."""
+
+    job_id: str
+    rank: int  # Slurm's node id
+    count: int
+    host: str  # this node's Slurm name; it must resolve on every node
+    master: str  # the job's first host: it runs the rendezvous store
+    restarts: int  # SLURM_RESTART_COUNT: how often the job was requeued
+
+    @classmethod
+    def detect(cls, local: bool = False) -> "Node":
+        if local or "SLURM_JOB_ID" not in os.environ:
+            return cls(f"local-{os.getpid()}", 0, 1, "127.0.0.1", "127.0.0.1", 0)
+        # submitit expands SLURM_JOB_NODELIST itself: no scontrol needed inside a container
+        from submitit.slurm.slurm import SlurmJobEnvironment
+
+        env = SlurmJobEnvironment()
+        hosts = env.hostnames
+        return cls(env.job_id, env.node, env.num_nodes, hosts[env.node], hosts[0],
+                   int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+
+    def port(self, configured: int) -> int:
+        if self.count == 1:
+            return 0  # any free port: no other node needs to know it
+        # 0: the same port on every node, different across jobs (submitit's rule)
+        return configured or random.Random(self.job_id).randint(20000, 60000)
+
+
+def log(node: Node, message: str) -> None:
+    print(f"[launch node {node.rank}/{node.count} {node.host}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# environment
+
+
+def read_profile(name: str) -> dict[str, str]:
+    """slurm/env/<name>.env: NAME=VALUE lines, # comments; values are taken literally."""
+    if name == "none":
+        return {}
+    path = PROFILES / f"{name}.env"
+    out = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"{path}:{number}: expected NAME=VALUE, got {line!r}")
+        out[key] = value
+    return out
+
+
+def wanted_env(cfg: Config, local_dir: Path) -> dict[str, str]:
+    """What the config asks for, later entries winning: profile, interface/HCAs, caches, env.vars."""
+    e = cfg.env
+    wanted = read_profile(e.profile)
+    if e.socket_ifname:
+        wanted.update(dict.fromkeys(IFNAME_VARS, e.socket_ifname))
+    if e.ib_hca:
+        wanted["NCCL_IB_HCA"] = e.ib_hca
+    # compile caches on a shared filesystem are slow and racy across nodes
+    wanted["TRITON_CACHE_DIR"] = str(local_dir / "triton")
+    wanted["TORCHINDUCTOR_CACHE_DIR"] = str(local_dir / "inductor")
+    wanted.update(e.vars)
+    return wanted
+
+
+def default_route_ifname() -> str:
+    for line in Path("/proc/net/route").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 1 and fields[1] == "00000000":
+            return fields[0]
+    raise ConfigError("env.socket_ifname=auto: this node has no default route; name the interface instead")
+
+
+def export_env(wanted: dict[str, str], environ=os.environ) -> tuple[dict[str, str], dict[str, str]]:
+    """Export each variable the job's environment does not already set; returns (exported, kept)."""
+    exported, kept = {}, {}
+    for key, value in wanted.items():
+        if key in environ:
+            kept[key] = environ[key]
+            continue
+        if key in IFNAME_VARS and value == "auto":
+            value = default_route_ifname()
+        environ[key] = exported[key] = value
+    return exported, kept
+
+
+def run_tunables(node: Node) -> None:
+    """Optional host tuning; each step reports itself and none of them stops the job."""
+    result = subprocess.run(["bash", str(TUNABLES)], capture_output=True, text=True)
+    for line in (result.stdout + result.stderr).splitlines():
+        log(node, f"runtime_tunables: {line}")
+    if result.returncode:
+        log(node, f"runtime_tunables.sh exited with {result.returncode}; continuing")
+
+
+def local_dir_for(cfg: Config, node: Node) -> Path:
+    base = cfg.env.local_dir or os.environ.get("TMPDIR") or "/tmp"
+    return Path(base) / f"flux-train-{node.job_id}-node{node.rank}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Slurm's warning signal
+
+
+def _children(parent: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                pids.append(int(entry))
+    return pids
+
+
+def _catches(pid: int, signum: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+class SignalRelay:
+    """Passes USR2 to this node's workers (each in its own session, so Slurm's signal misses them).
+    A worker gets it only once it has installed its handler: before that, USR2 would kill it."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self.requested = threading.Event()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._relay, daemon=True)
+
+    def __enter__(self) -> "SignalRelay":
+        # replaces submitit's handler, which would requeue at once instead of waiting for the checkpoint
+        signal.signal(signal.SIGUSR2, lambda signum, frame: self.requested.set())
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.requested.set()
+        self.thread.join()
+
+    def _relay(self) -> None:
+        self.requested.wait()
+        if self.done.is_set():
+            return
+        log(self.node, "got USR2 (preemption or time limit): passing it to the workers")
+        sent: set[int] = set()
+        while not self.done.is_set():
+            for pid in _children(os.getpid()):
+                if pid not in sent and _catches(pid, signal.SIGUSR2):
+                    try:
+                        os.kill(pid, signal.SIGUSR2)
+                    except ProcessLookupError:
+                        continue
+                    sent.add(pid)
+            self.done.wait(0.2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# workers
+
+
+def launch_config(cfg: Config, node: Node, local_dir: Path):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=node.count,
+        max_nodes=node.count,
+        nproc_per_node=cfg.slurm.gpus_per_node,
+        run_id=f"flux-{node.job_id}",
+        role="flux",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{node.master}:{node.port(cfg.env.master_port)}",
+        # Slurm's first node hosts the store; torch's hostname matching fails where node names are aliases
+        rdzv_configs={"is_host": node.rank == 0},
+        # the rendezvous orders nodes by this name, and rank 0's becomes the workers' MASTER_ADDR
+        local_addr=node.host,
+        max_restarts=0,  # fail fast: recovery is Slurm's requeue plus the checkpoint, not an in-job restart
+        logs_specs=DefaultLogsSpecs(log_dir=str(local_dir / "workers"), tee=Std.ALL),
+        log_line_prefix_template="[rank${rank}]:",
+    )
+
+
+def worker_args(config_file: Path) -> list[str]:
+    return ["-u", "-m", "flux_train.train", "--config", str(config_file)]
+
+
+def describe_failure(err, host: str) -> str:
+    """ChildFailedError -> one line per failed worker (the first to fail first) and its stderr tail."""
+    first_rank = err.get_first_failure()[0]
+    lines = []
+    for rank, failure in sorted(err.failures.items(), key=lambda item: item[0] != first_rank):
+        cause = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
+                 else f"exit code {failure.exitcode}")
+        lines.append(f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) on {host} "
+                     f"failed: {cause}")
+        stderr = Path(failure.error_file).with_name("stderr.log")
+        if stderr.is_file():
+            lines += ["    " + line for line in stderr.read_text(errors="replace").splitlines()[-15:]]
+    return "\n".join(lines)
+
+
+def stopped_for_requeue(err) -> bool:
+    """Workers that saved a checkpoint exit with PREEMPTED_EXIT_CODE; the launcher may SIGTERM the slower
+    ones of the node as soon as the first has exited (the save itself is collective and complete)."""
+    codes = {failure.exitcode for failure in err.failures.values()}
+    return PREEMPTED_EXIT_CODE in codes and codes <= {PREEMPTED_EXIT_CODE, -signal.SIGTERM}
+
+
+def request_requeue(cfg: Config, node: Node) -> str:
+    from flux_train.checkpoint import checkpoint_dir
+
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        after = "checkpoint.resume=none: the next start begins again at step 0"
+    elif resume == "auto":
+        after = f"the next start resumes from the latest checkpoint in {checkpoint_dir(cfg)}"
+    else:
+        after = f"the next start resumes from {resume} (checkpoint.resume)"
+    flag = os.environ.get(REQUEUE_FLAG_ENV)
+    if not flag:
+        log(node, f"workers saved a checkpoint and stopped; no requeue hook (${REQUEUE_FLAG_ENV} is unset: not "
+                  f"started by flux_train.submit or slurm/flux.sbatch): run the same command again; {after}")
+        return "preempted"
+    if node.restarts >= cfg.slurm.max_requeue:
+        log(node, f"workers saved a checkpoint and stopped; not requeueing: the job was already requeued "
+                  f"{node.restarts} times (slurm.max_requeue={cfg.slurm.max_requeue})")
+        return "preempted"
+    Path(flag).touch()
+    log(node, f"workers saved a checkpoint and stopped; asked the batch script to requeue the job; {after}")
+    return "requeued"
+
+
+def run_node(cfg: Config, local: bool = False) -> str:
+    """The whole per-node path; returns "finished", "requeued" or "preempted", raises WorkerFailure."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    node = Node.detect(local)
+    nproc = cfg.slurm.gpus_per_node
+    validate(cfg, world_size=node.count * nproc)
+    local_dir = local_dir_for(cfg, node)
+    local_dir.mkdir(parents=True, exist_ok=True)
+    restart = f", restart {node.restarts}" if node.restarts else ""
+    log(node, f"job {node.job_id}{restart}: {nproc} workers per node x {node.count} nodes, rendezvous at "
+              f"{node.master}, node-local dir {local_dir}")
+    exported, kept = export_env(wanted_env(cfg, local_dir))
+    for key, value in exported.items():
+        log(node, f"export {key}={value}")
+    for key, value in kept.items():
+        log(node, f"kept from the job's environment: {key}={value}")
+    if cfg.env.runtime_tunables:
+        run_tunables(node)
+    config_file = local_dir / "config.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    # the launcher reports each node's rendezvous result (group rank, global ranks) at INFO
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.INFO)
+    with SignalRelay(node):
+        try:
+            elastic_launch(launch_config(cfg, node, local_dir), sys.executable)(*worker_args(config_file))
+        except ChildFailedError as err:
+            if stopped_for_requeue(err):
+                return request_requeue(cfg, node)
+            message = describe_failure(err, node.host)
+            log(node, message)
+            raise WorkerFailure(message) from None
+    log(node, "workers finished")
+    return "finished"
+
+
+class NodeAgent:
+    """What submitit runs on each node. The resolved config travels in the job's pickle, so a requeued job
+    runs exactly what was submitted."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def __call__(self) -> str:
+        return run_node(self.cfg)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flux_train.launch", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="YAML config (a system file from configs/systems/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value; repeatable")
+    p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")
+    args = p.parse_args(argv)
+    try:
+        run_node(load_config(args.config, args.overrides), args.local)
+    except ConfigError as exc:
+        print(f"launch: config error: {exc}", file=sys.stderr)
+        return 2
+    except WorkerFailure:
+        return 1  # already logged
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

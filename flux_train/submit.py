@@ -1,0 +1,326 @@
+"""`python -m flux_train.submit`: one command from a login node puts a multi-node training job on Slurm.
+
+    python -m flux_train.submit --config configs/systems/H200_08x08.yaml [--nodes 8] [--set section.key=value]
+        [--gpus-per-node 8] [--partition P] [--account A] [--qos Q] [--time 4:00:00] [--job-name NAME]
+        [--runtime pyxis|apptainer|docker|podman|none] [--container-image IMAGE] [--mounts SRC[:DST[:ro]],...]
+        [--dry-run | --local]
+
+Every flag overrides the system config's value. submitit submits one Slurm task per node; srun starts it
+in the container (pyxis flags on the srun line; apptainer/docker/podman as the command srun runs), and
+there flux_train.launch.NodeAgent starts the node's workers. The resolved config travels in the job's
+pickle. Requeue: the batch script exports $FLUX_REQUEUE_FLAG; the agent creates that file after its workers
+checkpointed on Slurm's USR2, and the script's teardown runs `scontrol requeue` on the host.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from flux_train.config import CONFIG_DIR, Config, ConfigError, load_config, validate
+from flux_train.launch import REQUEUE_FLAG_ENV, NodeAgent
+
+RUNTIMES = ("pyxis", "apptainer", "docker", "podman", "none")
+# docker/podman start from the image's environment: what the agent needs from Slurm's and the site's
+PASSTHROUGH = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_PROCID",
+               "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID",
+               "SLURM_ARRAY_TASK_ID", "SUBMITIT_EXECUTOR", "SUBMITIT_PREEMPT_SIGNAL", REQUEUE_FLAG_ENV,
+               "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE",
+               "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+# srun's exit status stays the job's; a flag left by an agent turns into a requeue from the host
+TEARDOWN = [
+    "flux_rc=$?",
+    f'if [ -f "${REQUEUE_FLAG_ENV}" ]; then rm -f "${REQUEUE_FLAG_ENV}"; '
+    'echo "flux-train: requeueing job $SLURM_JOB_ID"; scontrol requeue "$SLURM_JOB_ID"; fi',
+    "exit $flux_rc",
+]
+
+
+class SubmitError(Exception):
+    """Bad input; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class Mount:
+    src: str
+    dst: str
+    mode: str  # rw | ro
+
+    def spec(self) -> str:
+        return f"{self.src}:{self.dst}" + (":ro" if self.mode == "ro" else "")
+
+
+def parse_mount(text: str) -> Mount:
+    parts = text.split(":")
+    if "," in text or not parts[0] or len(parts) > 3 or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+        raise SubmitError(f"container mount {text!r}: expected SRC, SRC:DST or SRC:DST:ro (paths without ',' "
+                          f"or ':')")
+    src = os.path.abspath(os.path.expanduser(parts[0]))
+    dst = parts[1] if len(parts) > 1 and parts[1] else src
+    if not dst.startswith("/"):
+        raise SubmitError(f"container mount {text!r}: the destination must be an absolute path")
+    return Mount(src, dst, parts[2] if len(parts) == 3 else "rw")
+
+
+def folder_root(folder: str) -> str:
+    """submitit's folder without its per-job part: what every node must see."""
+    return os.path.abspath(folder.split("%j")[0] or ".")
+
+
+def container_mounts(cfg: Config) -> list[Mount]:
+    """The submit directory (the default workdir) and submitit's folder at the same paths, then the config's."""
+    configured = [parse_mount(m) for m in cfg.container.mounts]
+    auto: list[Mount] = []
+    for path in ([] if cfg.container.workdir else [os.getcwd()]) + [folder_root(cfg.slurm.folder)]:
+        same_path = [m.src for m in auto + configured if m.src == m.dst]
+        if not any(path == src or path.startswith(src.rstrip("/") + "/") for src in same_path):
+            auto.append(Mount(path, path, "rw"))
+    return auto + configured
+
+
+def device_args(engine: str, profile: str, infiniband: bool) -> list[str]:
+    out = []
+    if profile == "nvidia":
+        out += ["--gpus=all"] if engine == "docker" else ["--device=nvidia.com/gpu=all"]  # podman: CDI
+    elif profile == "amd":
+        out += ["--device=/dev/kfd", "--device=/dev/dri", "--group-add=video", "--security-opt=seccomp=unconfined"]
+    if infiniband:
+        out += ["--device=/dev/infiniband", "--cap-add=IPC_LOCK"]
+    return out
+
+
+def container_command(cfg: Config) -> tuple[list[str], list[str]]:
+    """(srun options, argv before the Python command) that put each node's agent in the container."""
+    c = cfg.container
+    if c.runtime == "none":
+        return [], [sys.executable]
+    mounts = container_mounts(cfg)
+    workdir = c.workdir or os.getcwd()
+    python = shlex.split(c.python)
+    if c.runtime == "pyxis":
+        # only the srun step is containerised: the batch script and its requeue teardown stay on the host
+        return [f"--container-image={c.image}", "--container-mounts=" + ",".join(m.spec() for m in mounts),
+                f"--container-workdir={workdir}", *c.extra_args], python
+    if c.runtime == "apptainer":
+        gpus = {"nvidia": ["--nv"], "amd": ["--rocm"]}.get(cfg.env.profile, [])
+        return [], ["apptainer", "exec", *gpus, "--bind=" + ",".join(m.spec() for m in mounts),
+                    f"--pwd={workdir}", *c.extra_args, c.image, *python]
+    names = dict.fromkeys([*PASSTHROUGH, *c.env])
+    return [], [c.runtime, "run", "--rm", "--init", "--network=host", "--ipc=host", "--ulimit=memlock=-1:-1",
+                *device_args(c.runtime, cfg.env.profile, bool(cfg.env.ib_hca)),
+                *[f"--volume={m.spec()}" for m in mounts], f"--workdir={workdir}",
+                *[f"--env={name}" for name in names], *c.extra_args, c.image, *python]
+
+
+def shell_job_path(folder: str, name: str) -> str:
+    """A shell word for <folder>/<name> with %j expanded from $SLURM_JOB_ID, everything else quoted."""
+    return "${SLURM_JOB_ID}".join(shlex.quote(part) for part in os.path.join(folder, name).split("%j"))
+
+
+def sbatch_parameters(cfg: Config, folder: str, srun_container_args: list[str]) -> dict:
+    """submitit SlurmExecutor parameters: one task per node, USR2 before the limit, requeue teardown."""
+    s = cfg.slurm
+    params = {
+        "nodes": s.nodes,
+        "ntasks_per_node": 1,
+        "gpus_per_node": s.gpus_per_node,
+        "time": s.time_min,
+        "job_name": s.job_name,
+        "mem": f"{s.mem_gb}G" if s.mem_gb else "0",
+        "signal_delay_s": s.signal_delay_s,
+        "setup": [f"export {REQUEUE_FLAG_ENV}={shell_job_path(folder, 'requeue.flag')}"],
+        "teardown": TEARDOWN,
+        # one dead node agent ends the job; Slurm 22.05-23.02 srun does not inherit --cpus-per-task
+        "srun_args": ["--kill-on-bad-exit=1", *([f"--cpus-per-task={s.cpus_per_task}"] if s.cpus_per_task else []),
+                      *srun_container_args],
+        "additional_parameters": {"requeue": True,
+                                  **{k: True if v.lower() == "true" else v for k, v in s.additional.items()}},
+    }
+    for key in ("partition", "account", "qos"):
+        if getattr(s, key):
+            params[key] = getattr(s, key)
+    if s.cpus_per_task:
+        params["cpus_per_task"] = s.cpus_per_task
+    if s.exclusive:
+        params["exclusive"] = True
+    return params
+
+
+# ---------------------------------------------------------------------------------------------------
+# command line
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def time_minutes(text: str) -> int:
+    """Slurm's --time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) -> whole minutes, rounded up."""
+    try:
+        days, _, clock = text.rpartition("-")
+        parts = [int(p) for p in clock.split(":")]
+        if len(parts) > 3 or min(parts) < 0:
+            raise ValueError
+        if days:
+            h, m, s = (parts + [0, 0])[:3]
+            seconds = int(days) * 86400 + h * 3600 + m * 60 + s
+        else:
+            seconds = {1: lambda m: m * 60, 2: lambda m, s: m * 60 + s,
+                       3: lambda h, m, s: h * 3600 + m * 60 + s}[len(parts)](*parts)
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected minutes, H:MM:SS or D-HH:MM:SS, got {text!r}") from None
+    if seconds < 60:
+        raise argparse.ArgumentTypeError(f"must be at least 1 minute, got {text!r}")
+    return math.ceil(seconds / 60)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    systems = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "systems").glob("*.yaml")))
+    p = Parser(prog="python -m flux_train.submit", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help=f"system config, e.g. configs/systems/<name>.yaml ({systems})")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value; repeatable")
+    p.add_argument("--nodes", type=positive_int, help="slurm.nodes")
+    p.add_argument("--gpus-per-node", type=positive_int, help="slurm.gpus_per_node (workers per node)")
+    p.add_argument("--partition", help="slurm.partition")
+    p.add_argument("--account", help="slurm.account")
+    p.add_argument("--qos", help="slurm.qos")
+    p.add_argument("--time", type=time_minutes, help="slurm.time_min, as minutes or [D-]H:MM:SS")
+    p.add_argument("--job-name", help="slurm.job_name")
+    p.add_argument("--runtime", choices=RUNTIMES, help="container.runtime")
+    p.add_argument("--container-image", help="container.image")
+    p.add_argument("--mounts", type=lambda text: [m for m in text.split(",") if m],
+                   help="container.mounts, comma-separated SRC[:DST[:ro]] (replaces the config's list)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print the sbatch script and per-node command only")
+    mode.add_argument("--local", action="store_true", help="run the per-node agent on this machine, no Slurm")
+    return p.parse_args(argv)
+
+
+FLAGS = {"nodes": "slurm.nodes", "gpus_per_node": "slurm.gpus_per_node", "partition": "slurm.partition",
+         "account": "slurm.account", "qos": "slurm.qos", "time": "slurm.time_min", "job_name": "slurm.job_name",
+         "runtime": "container.runtime", "container_image": "container.image", "mounts": "container.mounts"}
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """The system config, its --set overrides, then the flags (already typed by the parser), checked."""
+    cfg = load_config(args.config, args.overrides)
+    for flag, dotted in FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            section, key = dotted.split(".")
+            setattr(getattr(cfg, section), key, value)
+    validate(cfg, world_size=cfg.slurm.nodes * cfg.slurm.gpus_per_node)
+    c = cfg.container
+    if c.runtime != "none" and not c.image:
+        raise SubmitError(f"container runtime {c.runtime} needs an image: pass --container-image or set "
+                          f"container.image in {args.config}")
+    if args.local and c.runtime == "pyxis":
+        raise SubmitError("--local cannot use pyxis (it is an srun plugin): add --runtime none, apptainer, "
+                          "docker or podman")
+    container_mounts(cfg)  # raises on a malformed mount before anything runs
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# the three ways out
+
+
+def dry_run(cfg: Config) -> None:
+    from submitit.slurm.slurm import _make_sbatch_string  # private: submitit is pinned <1.6
+
+    from flux_train.launch import Node, local_dir_for, wanted_env, worker_args
+
+    folder = os.path.abspath(cfg.slurm.folder)
+    srun_args, python = container_command(cfg)
+    command = f"{shlex.join(python)} -u -m submitit.core._submit {shlex.quote(folder)}"
+    script = _make_sbatch_string(command=command, folder=folder, **sbatch_parameters(cfg, folder, srun_args))
+    srun_line = next(line for line in script.splitlines() if line.startswith("srun "))
+    node = Node("%j", 0, cfg.slurm.nodes, "<node>", "<first host>", 0)
+    local_dir = local_dir_for(cfg, node)
+    print("# flux-train dry run: nothing was submitted\n# ---- sbatch script ----")
+    print(script)
+    print("# ---- per-node command (srun runs it once per node), one argument per line ----")
+    print("\n".join("  " + shlex.quote(arg) for arg in shlex.split(srun_line)))
+    print("# ---- then on each node, flux_train.launch: environment (a variable already set in the job wins) ----")
+    for key, value in wanted_env(cfg, local_dir).items():
+        print(f"  {key}={value}")
+    print(f"# ---- and {cfg.slurm.gpus_per_node} workers per node x {cfg.slurm.nodes} nodes, torch elastic "
+          f"launch with c10d rendezvous on the first host, each running ----")
+    print("  " + shlex.join(["python", *worker_args(local_dir / "config.yaml")]))
+
+
+def run_local(cfg: Config) -> int:
+    """The per-node agent on this machine (in the container when one is configured), in the foreground."""
+    run_dir = Path(cfg.slurm.folder.replace("%j", f"local-{os.getpid()}")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_file = run_dir / "config.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    _, python = container_command(cfg)
+    argv = [*python, "-u", "-m", "flux_train.launch", "--local", "--config", str(config_file)]
+    print(f"running on this machine: {shlex.join(argv)}", flush=True)
+    return subprocess.call(argv)
+
+
+def submit(cfg: Config) -> None:
+    import submitit
+
+    if shutil.which("sbatch") is None or shutil.which("srun") is None:
+        raise SubmitError("sbatch/srun not found on PATH: run this on a Slurm login node, or use --local to run "
+                          "on this machine, or --dry-run to see the job")
+    folder = os.path.abspath(cfg.slurm.folder)
+    srun_args, python = container_command(cfg)
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.slurm.max_requeue,
+                                      python=shlex.join(python))
+    executor.update_parameters(**sbatch_parameters(cfg, folder, srun_args))
+    try:
+        job = executor.submit(NodeAgent(cfg))
+    except submitit.core.utils.FailedJobError as exc:
+        # submitit has printed sbatch's own message above
+        raise SubmitError("sbatch refused the job: check --partition, --account, --qos, --time and "
+                          f"--gpus-per-node against the cluster ({type(exc).__name__})") from None
+    logs = job.paths.stdout.parent
+    print(f"submitted job {job.job_id}: {cfg.slurm.nodes} nodes x {cfg.slurm.gpus_per_node} GPUs, "
+          f"container {cfg.container.runtime}")
+    print(f"log folder: {logs} (one <job>_<node>_log.out/.err per node)")
+    print(f"follow:     tail -F {shlex.quote(str(job.paths.stdout))} {shlex.quote(str(job.paths.stderr))}")
+    print(f"status:     squeue -j {job.job_id}    cancel: scancel {job.job_id}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = resolve_config(args)
+        if args.dry_run:
+            dry_run(cfg)
+        elif args.local:
+            return run_local(cfg)
+        else:
+            submit(cfg)
+    except (ConfigError, SubmitError) as exc:
+        print(f"python -m flux_train.submit: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""A real two-node Slurm on loopback for the launcher tests (shared/notes/stack.md §4): slurmctld and two
+slurmd daemons as nodes n1 and n2 on 127.0.0.1, auth/none, 4 fake GPUs (gres files) per node, and the fast
+requeue settings. Where slurmctld is not installed the tests skip, except in CI (.ci/run installs Debian's
+packages), where they fail. The daemons are stopped by pid and /etc/hosts is restored at the end."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+NODES = ("n1", "n2")
+HOSTS = Path("/etc/hosts")
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE", "PREEMPTED"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what}: not reached within {timeout:.0f} s")
+
+
+class SlurmCluster:
+    def __init__(self, root: Path):
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.procs: list[subprocess.Popen] = []
+
+    def _write_config(self) -> None:
+        r, host = self.root, socket.gethostname().split(".")[0]
+        for name in ("state", "log", *[f"spool/slurmd-{n}" for n in NODES]):
+            (r / name).mkdir(parents=True, exist_ok=True)
+        for g in range(4):
+            (r / f"fakegpu{g}").touch()  # without device files slurmd reports 0 GPUs and the node is invalid
+        (r / "gres.conf").write_text(f"Name=gpu File={r}/fakegpu[0-3]\n")
+        lines = [
+            "ClusterName=fluxtest", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={free_port()}",
+            "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/none", "CredType=cred/none",
+            # cred_expire and the 1 s scheduler intervals make a requeued job start again in ~15 s, not ~136 s
+            "AuthInfo=cred_expire=10", "SchedulerType=sched/backfill",
+            "SchedulerParameters=bf_interval=1,sched_interval=1",
+            "MpiDefault=none", "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "ReturnToService=2",
+            f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd-%n.pid",
+            f"SlurmdSpoolDir={r}/spool/slurmd-%n", f"StateSaveLocation={r}/state",
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "JobCompType=jobcomp/none",
+            "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+            f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd-%n.log",
+            "KillWait=5", "SlurmdParameters=config_overrides", "GresTypes=gpu",
+        ]
+        lines += [f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=16 "
+                  f"RealMemory=64000 Gres=gpu:4 State=UNKNOWN" for n in NODES]
+        lines.append(f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP")
+        self.conf.write_text("\n".join(lines) + "\n")
+
+    def _daemon(self, *argv: str, log: str) -> None:
+        with open(self.root / "log" / log, "w") as out:
+            self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env))
+
+    def start(self) -> None:
+        self._write_config()
+        self._daemon("slurmctld", "-D", "-f", str(self.conf), log="slurmctld.out")
+        wait_for(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 20, "slurmctld ping")
+        for n in NODES:
+            self._daemon("slurmd", "-D", "-N", n, "-f", str(self.conf), log=f"slurmd-{n}.out")
+        wait_for(lambda: self.run("sinfo", "-h", "-o", "%D", "-t", "idle").stdout.strip() == str(len(NODES)),
+                 30, "both nodes idle")
+
+    def stop(self) -> None:
+        jobs = self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+        if jobs:
+            self.run("scancel", *jobs, check=False)
+            try:
+                wait_for(lambda: not self.run("squeue", "-h", "-o", "%i", check=False).stdout.split(), 30,
+                         "jobs cancelled")
+            except TimeoutError:
+                pass
+        for proc in reversed(self.procs):  # the slurmd daemons, then slurmctld, by pid
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, env=self.env, capture_output=True, text=True, check=check, timeout=30)
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (finished jobs stay visible for MinJobAge, 300 s)."""
+        out = self.run("scontrol", "-o", "show", "job", job_id, check=False).stdout
+        return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+    def wait_job(self, job_id: str, timeout: float, restarts: int = 0) -> dict[str, str]:
+        """Until the job ends (after at least `restarts` requeues); returns its last `scontrol` record."""
+        def ended():
+            info = self.job(job_id)
+            done = info.get("JobState") in TERMINAL and int(info.get("Restarts", 0)) >= restarts
+            return info if done else None
+
+        return wait_for(ended, timeout, f"job {job_id} end", interval=1.0)
+
+
+def _ensure_hosts() -> str | None:
+    """Make n1/n2 resolve (the rendezvous host is a Slurm node name); returns the original text to restore."""
+    try:
+        for n in NODES:
+            socket.gethostbyname(n)
+        return None
+    except OSError:
+        pass
+    original = HOSTS.read_text()
+    HOSTS.write_text(original.rstrip("\n") + f"\n127.0.0.1 {' '.join(NODES)}  # flux-train Slurm tests\n")
+    return original
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    if shutil.which("slurmctld") is None:
+        if os.environ.get("CI"):
+            pytest.fail("slurmctld is not installed; .ci/run installs Debian's slurmctld, slurmd and slurm-client")
+        pytest.skip("Slurm is not installed (apt-get install slurmctld slurmd slurm-client)")
+    original_hosts = _ensure_hosts()
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    saved_conf = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(cluster.conf)  # for submit subprocesses and submitit's sbatch calls
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        if saved_conf is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = saved_conf
+        if original_hosts is not None:
+            HOSTS.write_text(original_hosts)
