@@ -24,14 +24,16 @@ class Metrics:
     """Accumulates step timings between log lines; rank 0 prints and writes JSONL/TensorBoard."""
 
     def __init__(self, out_dir: Path, device: torch.device, flops_per_sample: float, world_size: int,
-                 max_steps: int, enabled: bool, progress_bar: bool, tensorboard: bool):
+                 max_steps: int, enabled: bool, progress_bar: bool, tensorboard: bool, append: bool = False,
+                 start_step: int = 0):
         self.device, self.flops_per_sample, self.world = device, flops_per_sample, world_size
         self.enabled = enabled
         self.peak = peak_tflops(device)
         self._t0 = time.perf_counter()
         self._samples = 0
         self._data_wait = 0.0
-        self.jsonl = (out_dir / "metrics.jsonl").open("a") if enabled else None
+        # a resumed run continues the file; a fresh one replaces it
+        self.jsonl = (out_dir / "metrics.jsonl").open("a" if append else "w") if enabled else None
         self.tb = None
         if enabled and tensorboard:
             try:
@@ -45,7 +47,7 @@ class Metrics:
         if enabled and progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=max_steps, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def add_step(self, samples: int, data_wait_s: float) -> None:
         self._samples += samples

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from flux_train import flow
+from flux_train import checkpoint, flow
 from flux_train.config import Config, ConfigError, eval_interval_steps, load_config, validate
 from flux_train.data import build_data
 from flux_train.evaluate import evaluate
@@ -28,6 +28,8 @@ from flux_train.parallel import all_reduce_sum, init_distributed, parallelize, s
 
 # diffusers blocks return views; we never modify them in place, which is what this FSDP2 warning is about
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved a checkpoint on Slurm's warning signal; the launcher requeues
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -41,9 +43,13 @@ class Trainer:
         if self.dist.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        self.mllog = MLLogger(self.out_dir / cfg.logging.mllog_file, enabled=self.dist.is_main)
-        self.mllog.run_parameters(cfg, self.dist.world_size)
-        self.mllog.start(C.INIT_START)
+        self.resume_from = checkpoint.resolve_resume(cfg)
+        # a resumed run continues the same MLLOG file and does not start a second run in it
+        self.mllog = MLLogger(self.out_dir / cfg.logging.mllog_file, enabled=self.dist.is_main,
+                              append=self.resume_from is not None)
+        if self.resume_from is None:
+            self.mllog.run_parameters(cfg, self.dist.world_size)
+            self.mllog.start(C.INIT_START)
 
         t = cfg.train
         self.device = self.dist.device
@@ -60,6 +66,21 @@ class Trainer:
         self.step = 0
         self.eval_count = 0
         self.stop_requested = False
+        if self.resume_from is not None:
+            progress, loader_state = checkpoint.load(self.resume_from, self.model, self.optimizer)
+            self.step, self.eval_count = progress["step"], progress["eval_count"]
+            self.data.train.load_state_dict(loader_state)
+            if self.dist.is_main:
+                print(f"flux-train: resumed from {self.resume_from} at step {self.step}", flush=True)
+
+    def save_checkpoint(self) -> Path:
+        progress = {"step": self.step, "eval_count": self.eval_count, "world_size": self.dist.world_size,
+                    "samples": self.step * self.cfg.train.global_batch_size}
+        path = checkpoint.save(checkpoint.checkpoint_dir(self.cfg), self.step, self.model, self.optimizer,
+                               self.data.train.state_dict(), progress, self.cfg.checkpoint.keep)
+        if self.dist.is_main:
+            print(f"flux-train: saved checkpoint {path}", flush=True)
+        return path
 
     # ------------------------------------------------------------------ one optimizer step
 
@@ -129,14 +150,15 @@ class Trainer:
         interval = eval_interval_steps(cfg)
         metrics = Metrics(self.out_dir, self.device, flops_per_sample(cfg.model, *self._token_counts()),
                           self.dist.world_size, t.max_steps, self.dist.is_main, cfg.logging.progress_bar,
-                          cfg.logging.tensorboard)
+                          cfg.logging.tensorboard, append=self.resume_from is not None, start_step=self.step)
         if self.dist.is_main:
             print(f"flux-train: {cfg.model.flavor} {self.n_params / 1e9:.3f} B params, world {self.dist.world_size}, "
                   f"GBS {t.global_batch_size} (micro {t.micro_batch_size} x accum {self.accum}), "
                   f"eval every {interval} steps, device {self.device}", flush=True)
         self._install_stop_signal()
-        self.mllog.end(C.INIT_STOP)
-        self.mllog.start(C.RUN_START)
+        if self.resume_from is None:
+            self.mllog.end(C.INIT_STOP)
+            self.mllog.start(C.RUN_START)
         self.mllog.start(C.BLOCK_START, samples_count=self.step * t.global_batch_size)
         status = C.ABORTED
         window_loss = torch.zeros((), device=self.device)
@@ -155,6 +177,8 @@ class Trainer:
                 window_steps = 0
                 if self._stop_agreed():
                     status = "preempted"
+                    self.mllog.end(C.BLOCK_STOP, samples_count=self.step * t.global_batch_size)
+                    self.save_checkpoint()
                     break
             if cfg.eval.enabled and self.step % interval == 0:
                 samples = self.step * t.global_batch_size
@@ -166,6 +190,8 @@ class Trainer:
                     break
                 self.mllog.start(C.BLOCK_START, samples_count=samples)
                 metrics.reset_window()
+            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
+                self.save_checkpoint()
         else:
             self.mllog.end(C.BLOCK_STOP, samples_count=self.step * t.global_batch_size)
         metrics.close()
@@ -197,14 +223,13 @@ def main(argv=None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     try:
-        trainer = Trainer(cfg)
-        trainer.run()
+        status = Trainer(cfg).run()
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     finally:
         shutdown()
-    return 0
+    return EXIT_PREEMPTED if status == "preempted" else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,150 @@
+"""Checkpoints: DCP save/resume of model, optimizer and progress, per-rank loader state, atomic, last K kept;
+export of the model to a diffusers folder.
+
+Layout: <dir>/step_00001234/ holds the DCP shards of {"model", "optim"}, `loader_rank<r>.pt` per rank and
+`progress.pt` (step, eval count, world size). A save goes to `step_XXXX.tmp/` and is renamed once every rank
+has finished, so a crash mid-save leaves the previous checkpoint the latest valid one. No RNG state is
+needed: every random stream is seeded from (seed, step, micro-batch) (flow.seeded_generator).
+
+    python -m flux_train.checkpoint export --config CFG --checkpoint DIR/step_00001234 --out FOLDER
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoint_dir(cfg) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.logging.out_dir) / "checkpoints")
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary `.tmp` folders of interrupted saves are ignored)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "progress.pt").is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def resolve_resume(cfg) -> Path | None:
+    """`checkpoint.resume`: auto = the latest complete checkpoint if any, none = fresh, else a path."""
+    choice = cfg.checkpoint.resume
+    if choice == "none":
+        return None
+    if choice == "auto":
+        found = list_checkpoints(checkpoint_dir(cfg))
+        return found[-1] if found else None
+    path = Path(choice)
+    if not (path / "progress.pt").is_file():
+        raise FileNotFoundError(f"checkpoint.resume={choice}: not a complete checkpoint folder (no progress.pt)")
+    return path
+
+
+def save(root: Path, step: int, model, optimizer, loader_state: dict, progress: dict, keep: int) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    rank = dist.get_rank()
+    final = root / f"step_{step:08d}"
+    tmp = root / f"step_{step:08d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(loader_state, tmp / f"loader_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        torch.save(progress, tmp / "progress.pt")  # written last: its presence marks a complete checkpoint
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(path: Path, model, optimizer) -> tuple[dict, dict]:
+    """Collective: restores model and optimizer in place; returns (progress, this rank's loader state)."""
+    progress = torch.load(path / "progress.pt", weights_only=False)
+    world = dist.get_world_size()
+    if progress["world_size"] != world:
+        raise RuntimeError(f"checkpoint {path} was written by {progress['world_size']} ranks, this run has {world}; "
+                           "the loader state cannot be split differently (resume with the same node/GPU count)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loader = torch.load(path / f"loader_rank{dist.get_rank()}.pt", weights_only=False)
+    return progress, loader
+
+
+def export_diffusers(model, out: Path) -> None:
+    """Collective: gathers full weights to rank 0, which writes a folder FluxTransformer2DModel.from_pretrained
+    loads (config.json + safetensors)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        _write_diffusers(model.config, full, out)
+    dist.barrier()
+
+
+def _write_diffusers(config, state_dict: dict, out: Path) -> None:
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        plain = FluxTransformer2DModel.from_config(config)
+    plain.load_state_dict(state_dict, assign=True, strict=True)
+    plain.save_pretrained(str(out), safe_serialization=True)
+
+
+def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
+    """Offline export of a DCP checkpoint in one process (no GPU, no process group)."""
+    from flux_train.model import build_model
+
+    model = build_model(cfg.model, rmsnorm_impl="torch")
+    model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    _write_diffusers(model.config, state["model"], out)
+
+
+def main(argv=None) -> int:
+    from flux_train.config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(prog="python -m flux_train.checkpoint")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="write a checkpoint's model as a diffusers FluxTransformer2DModel folder")
+    ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
+    ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    path = Path(args.checkpoint)
+    if not (path / "progress.pt").is_file():
+        found = list_checkpoints(path)
+        if not found:
+            print(f"no complete checkpoint in {path}", file=sys.stderr)
+            return 2
+        path = found[-1]
+    export_checkpoint(cfg, path, Path(args.out))
+    print(f"exported {path} -> {args.out} (load with FluxTransformer2DModel.from_pretrained)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

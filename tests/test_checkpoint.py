@@ -1,0 +1,123 @@
+"""Resume is exact, saves are atomic, export loads in diffusers."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from flux_train import checkpoint
+from flux_train.config import load_config
+from flux_train.train import EXIT_PREEMPTED
+
+COMMON = ["--set", "data.source=synthetic", "--set", "eval.enabled=false", "--set", "logging.log_every=1", "--set", "train.warmup_steps=3",
+          "--set", "train.caption_dropout_prob=0.1"]
+
+
+def losses(out):
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+def run(out, *extra):
+    args = ["--config", "configs/debug.yaml", "--set", f"logging.out_dir={out}", *COMMON, *extra]
+    proc = subprocess.run([sys.executable, "-m", "flux_train.train", *args], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_preempted_run_checkpoints_and_resumes_with_the_same_losses(tmp_path):
+    """SIGUSR2 (Slurm's warning signal) -> checkpoint + exit 75; the resumed run matches an uninterrupted one."""
+    split = tmp_path / "split"
+    args = ["--config", "configs/debug.yaml", "--set", f"logging.out_dir={split}", *COMMON,
+            "--set", "train.max_steps=100000"]
+    proc = subprocess.Popen([sys.executable, "-m", "flux_train.train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((split / "metrics.jsonl").exists() and len(losses(split)) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED, out[-2000:]
+    stopped = max(losses(split))
+    assert f"step_{stopped:08d}" in out and 3 <= stopped < 1000
+
+    end = stopped + 5
+    run(tmp_path / "full", "--set", f"train.max_steps={end}")
+    assert "resumed from" in run(split, "--set", f"train.max_steps={end}")
+    full, resumed = losses(tmp_path / "full"), losses(split)
+    assert sorted(resumed) == list(range(1, end + 1))
+    for step in range(1, end + 1):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+    # one run in the MLLOG file: the resumed part continued it instead of starting another
+    keys = [json.loads(l.split(":::MLLOG ", 1)[1])["key"] for l in (split / "mllog.log").read_text()
+            .splitlines() if ":::MLLOG" in l]
+    assert keys.count("run_start") == 1 and keys.count("run_stop") == 1
+
+
+def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    run(out, "--set", "train.max_steps=4", "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep=5")
+    root = out / "checkpoints"
+    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_00000002", "step_00000004"]
+
+    # a save that dies half-way through writing the shards
+    def dying_save(state, checkpoint_id):
+        (torch.save({"partial": 1}, f"{checkpoint_id}/__0_0.distcp"))
+        raise KeyboardInterrupt("killed mid-save")
+
+    import torch.distributed as dist
+    from flux_train.model import build_model, materialize
+    from flux_train.optim import build_optimizer
+
+    cfg = load_config("configs/debug.yaml", [f"logging.out_dir={out}", "data.source=synthetic"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = materialize(build_model(cfg.model), torch.device("cpu"), 0)
+        opt = build_optimizer(model, cfg.train)
+        monkeypatch.setattr(checkpoint.dcp, "save", dying_save)
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save(root, 6, model, opt, {}, {"step": 6, "eval_count": 0, "world_size": 1}, keep=5)
+        monkeypatch.undo()
+        assert (root / "step_00000006.tmp").is_dir()
+        latest = checkpoint.resolve_resume(cfg)
+        assert latest.name == "step_00000004"
+        progress, loader = checkpoint.load(latest, model, opt)
+        assert progress["step"] == 4 and loader == {"consumed": 4}
+    finally:
+        dist.destroy_process_group()
+    # and a real resume continues from step 4
+    assert "resumed from" in run(out, "--set", "train.max_steps=5")
+
+
+def test_retention_keeps_last_k(tmp_path):
+    out = tmp_path / "run"
+    run(out, "--set", "train.max_steps=6", "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep=2")
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000005", "step_00000006"]
+
+
+def test_export_loads_with_diffusers_from_pretrained(tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    out = tmp_path / "run"
+    run(out, "--set", "train.max_steps=3", "--set", "checkpoint.every_steps=3")
+    export = tmp_path / "export"
+    assert checkpoint.main(["export", "--config", "configs/debug.yaml", "--checkpoint", str(out / "checkpoints"),
+                            "--out", str(export)]) == 0
+    loaded = FluxTransformer2DModel.from_pretrained(str(export))
+    assert loaded.config.num_layers == 2 and loaded.config.joint_attention_dim == 4096
+    # the exported tensors are the checkpoint's: compare with a DCP load of the same step
+    from flux_train.model import build_model
+
+    reference = build_model(load_config("configs/debug.yaml").model, rmsnorm_impl="torch")
+    reference.to_empty(device="cpu")
+    state = {"model": reference.state_dict()}
+    checkpoint.dcp.load(state, checkpoint_id=str(out / "checkpoints" / "step_00000003"), no_dist=True)
+    exported = loaded.state_dict()
+    assert set(exported) == set(state["model"])
+    for name, tensor in state["model"].items():
+        assert torch.equal(exported[name], tensor), name
+    assert not torch.all(exported["proj_out.weight"] == 0)  # trained away from its zero init
