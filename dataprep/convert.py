@@ -1,0 +1,201 @@
+"""`convert`: the MLCommons preprocessed sets (Hugging Face `save_to_disk`, Arrow) -> energon shards.
+
+Columns (DESIGN.md §4): __key__ (string), t5_encodings, clip_encodings, mean, logvar (np.save bytes of bf16
+viewed as uint16) and timestep (int, val only). The npy bytes are copied unchanged; every sample is checked
+first (columns, npy header, dtype, shape, NaN/Inf, timestep, duplicate keys). Shards are converted in
+parallel by spawned worker processes, each opening the memory-mapped input itself.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from dataprep import progress
+from dataprep.format import DataprepError, Shape, check_sample, tar_sample
+from dataprep.shards import ShardPlan, ShardRecord, SplitWriter, plan_shards, val_first_key
+
+COLUMNS = {"t5_encodings": "t5", "clip_encodings": "clip", "mean": "mean", "logvar": "logvar"}
+CHUNK_ROWS = 32  # rows read from Arrow at once: bounds a worker's memory to ~70 MB at full size
+
+
+def open_input(path: Path, val: bool):
+    """The dataset, after checking that it is one and has the columns of the MLCommons layout."""
+    from datasets import Dataset, DatasetDict, load_from_disk
+
+    try:
+        ds = load_from_disk(str(path))
+    except FileNotFoundError as exc:
+        raise DataprepError(f"{path}: not a Hugging Face save_to_disk dataset ({exc})") from None
+    if isinstance(ds, DatasetDict):
+        raise DataprepError(f"{path}: a DatasetDict with splits {list(ds)}; pass one split's folder, "
+                            f"e.g. {path / next(iter(ds))}")
+    assert isinstance(ds, Dataset)
+    need = ["__key__", *COLUMNS] + (["timestep"] if val else [])
+    missing = [c for c in need if c not in ds.column_names]
+    if missing:
+        raise DataprepError(f"{path}: missing column(s) {missing}; found {ds.column_names}. Expected the MLCommons "
+                            f"preprocessed layout: __key__, t5_encodings, clip_encodings, mean, logvar"
+                            f"{', timestep (val)' if val else ''}")
+    for column in COLUMNS:
+        dtype = getattr(ds.features[column], "dtype", None)
+        if dtype not in ("binary", "large_binary"):
+            raise DataprepError(f"{path}: column {column} has type {ds.features[column]}, expected binary "
+                                f"(np.save bytes of bf16 viewed as uint16)")
+    return ds
+
+
+def duplicate_rows(ds, path: Path, skip_bad: bool) -> dict[int, str]:
+    """Rows whose __key__ repeats an earlier row: an error, or (skip_bad) rows to skip with the reason."""
+    keys = ds.select_columns(["__key__"]).with_format("arrow")[:]["__key__"].to_pylist()
+    first: dict = {}
+    dupes: dict[int, str] = {}
+    for row, key in enumerate(keys):
+        if key in first:
+            reason = f"duplicate __key__ {key!r} (first at row {first[key]})"
+            if not skip_bad:
+                raise DataprepError(f"{path}: row {row}: {reason}; fix the input or pass --skip-bad")
+            dupes[row] = reason
+        else:
+            first[key] = row
+    return dupes
+
+
+@dataclass
+class ShardJob:
+    plan: ShardPlan
+    input: str
+    root: str
+    split: str
+    first_key: int
+    shape: Shape
+    skip_bad: bool
+    skip_rows: dict  # row -> reason (duplicates)
+
+
+_worker: dict = {}  # per worker process: the opened input, the progress queue, the stop flag
+
+
+def _init_worker(input_path: str, progress_queue, stop) -> None:
+    from datasets import load_from_disk
+
+    _worker.update(table=load_from_disk(input_path).with_format("arrow"), queue=progress_queue, stop=stop)
+
+
+def _rows(job: ShardJob, skipped: list):
+    """The tar samples of one shard, checking every input row."""
+    table, val = _worker["table"], job.split == "val"
+    for start in range(job.plan.start, job.plan.end, CHUNK_ROWS):
+        if _worker["stop"].is_set():
+            raise DataprepError("stopped")
+        chunk = table[start:min(start + CHUNK_ROWS, job.plan.end)]
+        columns = {c: chunk.column(c).to_pylist() for c in ["__key__", *COLUMNS] + (["timestep"] if val else [])}
+        nbytes = 0
+        for j in range(chunk.num_rows):
+            row, key = start + j, columns["__key__"][j]
+            parts = {part: columns[c][j] for c, part in COLUMNS.items()}
+            timestep = columns["timestep"][j] if val else None
+            problems = ([job.skip_rows[row]] if row in job.skip_rows else []) or \
+                check_sample(key, parts, timestep, val, job.shape)
+            if problems:
+                if not job.skip_bad:
+                    raise DataprepError(f"{job.input}: row {row} (__key__ {key!r}): {'; '.join(problems)}; "
+                                        f"fix the input or pass --skip-bad")
+                skipped.append([row, key, "; ".join(problems)])
+                continue
+            nbytes += sum(len(b) for b in parts.values())
+            yield tar_sample(job.first_key + row, key, parts, timestep)
+        _worker["queue"].put((chunk.num_rows, nbytes))
+
+
+def _convert_shard(job: ShardJob) -> ShardRecord:
+    skipped: list = []
+    return SplitWriter(Path(job.root), job.split).write(job.plan, _rows(job, skipped), skipped)
+
+
+def _run_pool(jobs: list[ShardJob], workers: int, bar) -> list[ShardRecord]:
+    ctx = mp.get_context("spawn")  # fork would copy the parent's Arrow maps and threads
+    progress_queue, stop = ctx.Queue(), ctx.Event()
+    records = []
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(jobs[0].input, progress_queue, stop))
+    try:
+        pending = {pool.submit(_convert_shard, job) for job in jobs}
+        while pending:
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            for future in done:
+                records.append(future.result())  # a worker's error stops everything here
+            try:
+                while True:
+                    rows, nbytes = progress_queue.get_nowait()
+                    bar.update(rows)
+                    bar.set_postfix_str(f"{progress.human_bytes(nbytes)} in last chunk", refresh=False)
+            except queue.Empty:
+                pass
+    except BaseException:
+        stop.set()  # running workers abandon their shard (its partial file is removed)
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    return records
+
+
+def convert_split(input_path: Path, root: Path, split: str, first_key: int, per_shard: int, shape: Shape,
+                  workers: int, skip_bad: bool) -> None:
+    """Convert one split (resuming a crashed run)."""
+    t0 = time.perf_counter()
+    val = split == "val"
+    ds = open_input(input_path, val)
+    rows = len(ds)
+    skip_rows = duplicate_rows(ds, input_path, skip_bad)
+    writer = SplitWriter(root, split)
+    writer.start({"input": str(input_path.resolve()), "rows": rows, "first_key": first_key,
+                  "samples_per_shard": per_shard, "shape": str(shape)})
+    finished = {p.index: writer.finished(p) for p in plan_shards(rows, per_shard)}
+    done = [r for r in finished.values() if r]
+    jobs = [ShardJob(p, str(input_path), str(root), split, first_key, shape, skip_bad,
+                     {r: why for r, why in skip_rows.items() if p.start <= r < p.end})
+            for p in plan_shards(rows, per_shard) if not finished[p.index]]
+    bar = progress.bar(rows, f"convert {split}", initial=sum(r.end - r.start for r in done))
+    with bar:
+        new = _run_pool(jobs, max(1, min(workers, len(jobs))), bar) if jobs else []
+    records = done + new
+    writer.finish(records)
+    _summarize(split, input_path, writer, records, new, workers, time.perf_counter() - t0, first_key, rows)
+
+
+def _summarize(split: str, input_path: Path, writer: SplitWriter, records: list[ShardRecord],
+               new: list[ShardRecord], workers: int, wall: float, first_key: int, rows: int) -> None:
+    written = sum(r.samples for r in new)
+    nbytes = sum(r.bytes for r in new)
+    busy = sum(r.seconds for r in new) or 1e-9
+    skipped = [s for r in sorted(records, key=lambda r: r.index) for s in r.skipped]
+    lines = [
+        ("input", f"{input_path} ({rows} rows)"),
+        ("output", f"{writer.dir} ({sum(1 for r in records if r.samples)} shards, "
+                   f"{sum(r.samples for r in records)} samples, keys {first_key}..{first_key + rows - 1})"),
+        ("this run", f"{len(new)} shards written, {len(records) - len(new)} already finished (skipped)"),
+        ("throughput", f"{written / max(wall, 1e-9):.1f} samples/s, {nbytes / 2**20 / max(wall, 1e-9):.1f} MiB/s "
+                       f"in {wall:.1f} s with {workers} workers"),
+        ("per worker", f"{written / busy:.1f} samples/s, {nbytes / 2**20 / busy:.1f} MiB/s (busy time)"),
+        ("skipped inputs", f"{len(skipped)}" + (f" (all listed in {writer.skipped_list})\n"
+                                               + progress.listed([f"row {r} {k!r}: {why}" for r, k, why in skipped])
+                                               if skipped else "")),
+    ]
+    progress.summary(f"convert {split}", lines)
+
+
+def convert(root: Path, train: Optional[Path], val: Optional[Path], per_shard: int, shape: Shape, workers: int,
+            skip_bad: bool) -> None:
+    if train is None and val is None:
+        raise DataprepError("nothing to convert: give --train and/or --val")
+    if per_shard <= 0:
+        raise DataprepError(f"--samples-per-shard {per_shard}: must be > 0")
+    if train is not None:
+        convert_split(train, root, "train", 0, per_shard, shape, workers, skip_bad)
+    if val is not None:
+        convert_split(val, root, "val", val_first_key(root), per_shard, shape, workers, skip_bad)

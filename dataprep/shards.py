@@ -1,0 +1,145 @@
+"""Writing one split's shards: atomic, resumable, with a record per finished shard.
+
+A shard is written as `shard_NNNNNN.tar.partial` and renamed when complete, then its record (samples,
+bytes, seconds, skipped inputs) lands in `<root>/.dataprep/<split>/`; a shard counts as finished only
+when its record exists, so a crash anywhere leaves at worst a partial file that the next run removes and
+redoes. Shard i holds input rows [i*S, (i+1)*S) minus skipped ones, and sample keys are first_key + row,
+so a rerun writes the same bytes (tar mtime 0) whatever was finished before.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+import webdataset as wds
+
+from dataprep.format import DataprepError
+
+SHARD = "shard_{:06d}.tar"
+PARTIAL = ".partial"
+BOOK = ".dataprep"
+INDEX = "index.txt"
+
+
+@dataclass
+class ShardPlan:
+    index: int
+    start: int  # first input row
+    end: int  # one past the last input row
+
+    @property
+    def name(self) -> str:
+        return SHARD.format(self.index)
+
+
+@dataclass
+class ShardRecord:
+    index: int
+    start: int
+    end: int
+    samples: int
+    bytes: int
+    seconds: float
+    skipped: list = field(default_factory=list)  # [input row, source key, reason]
+
+
+def val_first_key(root: Path) -> int:
+    """Val keys continue after the train keys, so they are taken from the finished train conversion."""
+    settings = SplitWriter(root, "train").settings()
+    if settings is None:
+        raise DataprepError(f"{root}: no train split written by dataprep; val keys continue after the train keys, "
+                            f"so write --train into the same --out first (or both in one call)")
+    return settings["first_key"] + settings["rows"]
+
+
+def plan_shards(rows: int, per_shard: int) -> list[ShardPlan]:
+    return [ShardPlan(i, start, min(start + per_shard, rows)) for i, start in enumerate(range(0, rows, per_shard))]
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + PARTIAL)
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+class SplitWriter:
+    """Output of one split (`<root>/<split>/`) and its bookkeeping (`<root>/.dataprep/<split>/`)."""
+
+    def __init__(self, root: Path, split: str):
+        self.root, self.split = Path(root), split
+        self.dir = self.root / split
+        self.book = self.root / BOOK / split
+
+    def start(self, settings: dict) -> None:
+        """Create the folders, refuse to resume with other settings, remove partial files of a crashed run."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.book.mkdir(parents=True, exist_ok=True)
+        saved = self.book / "settings.json"
+        if saved.is_file():
+            before = json.loads(saved.read_text())
+            changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+            if changed:
+                raise DataprepError(
+                    f"{self.dir} was started with other settings ({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changed.items())}); "
+                    f"rerun with the original settings to finish it, or delete {self.dir} and {self.book}")
+        else:
+            _write_json_atomic(saved, settings)
+        for stale in list(self.dir.glob("*" + PARTIAL)) + list(self.book.glob("*" + PARTIAL)):
+            stale.unlink()
+
+    def settings(self) -> Optional[dict]:
+        saved = self.book / "settings.json"
+        return json.loads(saved.read_text()) if saved.is_file() else None
+
+    def finished(self, plan: ShardPlan) -> Optional[ShardRecord]:
+        record = self.book / f"{plan.name}.json"
+        if not record.is_file():
+            return None
+        done = ShardRecord(**json.loads(record.read_text()))
+        return done if done.samples == 0 or (self.dir / plan.name).is_file() else None
+
+    def write(self, plan: ShardPlan, samples: Iterable[dict], skipped: list) -> ShardRecord:
+        """Write the samples as shard `plan.index`; `skipped` is filled by the samples' producer."""
+        t0 = time.perf_counter()
+        final = self.dir / plan.name
+        tmp = final.with_name(final.name + PARTIAL)
+        count = size = 0
+        try:
+            with open(tmp, "wb") as f:
+                writer = wds.TarWriter(f, encoder=False, mtime=0)  # mtime 0: byte-identical reruns
+                for sample in samples:
+                    size += writer.write(sample)
+                    count += 1
+                writer.close()
+                f.flush()
+                os.fsync(f.fileno())
+            if count:
+                os.replace(tmp, final)
+            else:  # every input row was skipped: no empty tar for energon to index
+                tmp.unlink()
+                final.unlink(missing_ok=True)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        record = ShardRecord(plan.index, plan.start, plan.end, count, size, time.perf_counter() - t0, skipped)
+        _write_json_atomic(self.book / f"{plan.name}.json", asdict(record))
+        return record
+
+    def finish(self, records: list[ShardRecord]) -> None:
+        """index.txt (the shards, as NVIDIA's layout has it) and skipped.tsv once every shard is done."""
+        names = [SHARD.format(r.index) for r in sorted(records, key=lambda r: r.index) if r.samples]
+        (self.dir / INDEX).write_text("".join(n + "\n" for n in names))
+        rows = [s for r in sorted(records, key=lambda r: r.index) for s in r.skipped]
+        skipped = self.book / "skipped.tsv"
+        if rows:
+            skipped.write_text("row\tkey\treason\n" + "".join(f"{row}\t{key}\t{why}\n" for row, key, why in rows))
+        else:
+            skipped.unlink(missing_ok=True)
+
+    @property
+    def skipped_list(self) -> Path:
+        return self.book / "skipped.tsv"

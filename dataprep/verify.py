@@ -1,0 +1,153 @@
+"""`verify`: open the dataset through energon and check everything a training run relies on.
+
+Checks: `.nv-meta/dataset.yaml` is CrudeWebdataset and split.yaml has train and val; every tar reads to
+its end (no truncation); index.txt matches the shards; every sample has all parts with the expected
+dtype (uint16 = bf16 bits), shape and no NaN/Inf, and val samples a timestep 0..7; keys are unique; the
+empty encodings exist with matching shapes. Prints counts per split and per timestep; any defect makes
+the command exit non-zero with the defect named.
+"""
+from __future__ import annotations
+
+import tarfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+from megatron.energon import (Cooker, CrudeSample, DefaultTaskEncoder, WorkerConfig, basic_sample_keys, get_loader,
+                              get_val_dataset)
+from megatron.energon.errors import reraise_exception
+
+from dataprep import progress
+from dataprep.format import Shape, T5_DIM, CLIP_DIM, check_sample
+from dataprep.prepare import DATASET_YAML, SPLITS
+from dataprep.shards import INDEX
+from flux_train.data import EMPTY_CLIP, EMPTY_T5, PARTS, sample_meta, sample_where
+
+
+@dataclass
+class SampleChecker:
+    """Cooker that checks a crude sample in the loader's workers and returns only a small report."""
+    shape: Shape
+    val: bool
+    __stateless__ = True  # what energon's @stateless sets: a pure function of the sample
+
+    def __call__(self, sample: dict) -> CrudeSample:
+        try:
+            meta = sample_meta(sample)
+            problems = []
+        except ValueError as exc:
+            meta, problems = {}, [f"json: {exc}"]
+        if "json" not in sample:
+            problems.append("json: missing")
+        parts = {part: sample.get(f"{part}.bytes") for part in PARTS}
+        problems += check_sample(meta.get("key", "?"), parts, meta.get("timestep"), self.val, self.shape)
+        return CrudeSample(**basic_sample_keys(sample), problems=problems, timestep=meta.get("timestep"),
+                           where=sample_where(sample))
+
+
+class CheckEncoder(DefaultTaskEncoder):
+    decoder = None
+
+    def __init__(self, checker: SampleChecker):
+        super().__init__()
+        self.cookers = [Cooker(checker)]
+
+
+@dataclass
+class Report:
+    defects: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)  # split -> samples
+    timesteps: dict = field(default_factory=dict)  # split -> Counter
+
+    def defect(self, message: str) -> None:
+        self.defects.append(message)
+
+
+def check_metadata(root: Path, report: Report) -> list[str]:
+    """Structure checks; returns the splits that energon can open."""
+    meta = root / ".nv-meta"
+    dataset_yaml = meta / "dataset.yaml"
+    if not dataset_yaml.is_file():
+        report.defect(f"{dataset_yaml}: missing; run `python -m dataprep prepare {root}`")
+        return []
+    if yaml.safe_load(dataset_yaml.read_text()) != DATASET_YAML:
+        report.defect(f"{dataset_yaml}: expected {DATASET_YAML}, found {dataset_yaml.read_text().strip()!r}")
+    split_yaml = meta / "split.yaml"
+    parts = (yaml.safe_load(split_yaml.read_text()) or {}).get("split_parts", {}) if split_yaml.is_file() else {}
+    for split in SPLITS:
+        if not parts.get(split):
+            report.defect(f"{split_yaml}: no '{split}' split part")
+    return [s for s in SPLITS if parts.get(s)]
+
+
+def check_tars(root: Path, split: str, report: Report) -> None:
+    """Each tar reads to its end; index.txt names exactly the shards."""
+    folder = root / split
+    tars = sorted(folder.glob("*.tar"))
+    index = folder / INDEX
+    if not index.is_file():
+        report.defect(f"{index}: missing")
+    elif sorted(line.strip() for line in index.read_text().splitlines() if line.strip()) != [t.name for t in tars]:
+        report.defect(f"{index}: does not list exactly the {len(tars)} .tar files of {folder}")
+    for tar in tars:
+        try:
+            # tarfile stops quietly at a cut header, so compare where the member data ends with the file size
+            with tarfile.open(tar) as t:
+                end = max((m.offset_data + m.size for m in t), default=0)
+            if end > tar.stat().st_size:
+                raise tarfile.ReadError(f"member data ends at byte {end}, the file has {tar.stat().st_size}")
+        except (tarfile.TarError, OSError) as exc:
+            report.defect(f"{tar}: truncated or corrupt tar ({exc})")
+
+
+def check_samples(root: Path, split: str, shape: Shape, workers: int, report: Report) -> None:
+    worker_config = WorkerConfig(rank=0, world_size=1, num_workers=workers, global_error_handler=reraise_exception)
+    dataset = get_val_dataset(root, split_part=split, worker_config=worker_config, batch_size=None,
+                              task_encoder=CheckEncoder(SampleChecker(shape, split == "val")))
+    keys, timesteps = set(), Counter()
+    try:
+        for sample in progress.bar(len(dataset), f"verify {split}", iterable=get_loader(dataset)):
+            if sample["__key__"] in keys:
+                report.defect(f"{sample['where']}: duplicate key")
+            keys.add(sample["__key__"])
+            if "." in sample["__key__"]:
+                report.defect(f"{sample['where']}: key contains a dot")
+            report.defects.extend(f"{sample['where']}: {p}" for p in sample["problems"])
+            timesteps[sample["timestep"]] += 1
+    except Exception as exc:  # noqa: BLE001 - energon reports unreadable shards with many exception types
+        report.defect(f"{root / split}: reading through energon failed after {len(keys)} samples: "
+                      f"{type(exc).__name__}: {exc}")
+    if len(keys) != len(dataset):
+        report.defect(f"{root / split}: energon's index has {len(dataset)} samples, {len(keys)} were read")
+    report.counts[split] = len(keys)
+    report.timesteps[split] = timesteps
+
+
+def check_empty(root: Path, shape: Shape, report: Report) -> None:
+    for name, expected in ((EMPTY_T5, (1, shape.text_len, T5_DIM)), (EMPTY_CLIP, (1, CLIP_DIM))):
+        file = root / "empty_encodings" / name
+        if not file.is_file():
+            report.defect(f"{file}: missing; write it with `python -m dataprep empty-encodings`")
+            continue
+        array = np.load(file, allow_pickle=False)
+        if array.dtype != np.float16 or array.shape != expected:
+            report.defect(f"{file}: {array.dtype} {list(array.shape)}, expected float16 {list(expected)}")
+
+
+def verify(root: Path, shape: Shape, workers: int) -> Report:
+    root = Path(root)
+    report = Report()
+    for split in check_metadata(root, report):
+        check_tars(root, split, report)
+        check_samples(root, split, shape, workers, report)
+    check_empty(root, shape, report)
+    rows = [(split, f"{n} samples") for split, n in report.counts.items()]
+    if report.timesteps.get("val"):
+        rows.append(("val per timestep", ", ".join(f"{k}: {n}" for k, n in sorted(report.timesteps["val"].items(),
+                                                                                  key=lambda kv: str(kv[0])))))
+    rows.append(("defects", f"{len(report.defects)}\n" + progress.listed(report.defects) if report.defects
+                 else "none"))
+    progress.summary(f"verify {root}", rows)
+    return report
