@@ -18,3 +18,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+from slurm_cluster import slurm_cluster  # noqa: E402,F401  the real two-node Slurm for tests/test_slurm_*.py

@@ -1,0 +1,137 @@
+"""The per-node agent (flux_train/launch.py): environment profiles and their precedence, Slurm topology,
+the USR2 relay to workers, the preemption exit contract, and a killed worker ending a --local run."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flux_train import launch
+from flux_train.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEM = "configs/systems/cpu_02x02.yaml"
+
+
+def test_profiles_parse_and_leave_nvlink_multicast_alone():
+    nvidia, amd = launch.read_profile("nvidia"), launch.read_profile("amd")
+    assert nvidia["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert amd["NCCL_IB_GID_INDEX"] == "3" and "HSA_NO_SCRATCH_RECLAIM" in amd
+    assert "NCCL_NVLS_ENABLE" not in nvidia and "TORCH_SYMM_MEM_DISABLE_MULTICAST" not in nvidia
+    assert launch.read_profile("none") == {}
+
+
+def test_environment_precedence(tmp_path):
+    cfg = load_config(SYSTEM, ["env.profile=nvidia", "env.socket_ifname=ib0", "env.ib_hca=mlx5_0,mlx5_1",
+                               "env.vars={NCCL_DEBUG: INFO, NCCL_NVLS_ENABLE: '1'}"])
+    wanted = launch.wanted_env(cfg, tmp_path)
+    assert wanted["NCCL_DEBUG"] == "INFO"  # env.vars beat the profile file
+    assert wanted["NCCL_SOCKET_IFNAME"] == wanted["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert wanted["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
+    assert wanted["TRITON_CACHE_DIR"] == f"{tmp_path}/triton"
+    assert wanted["TORCHINDUCTOR_CACHE_DIR"] == f"{tmp_path}/inductor"
+    # the job's own environment beats everything: the GPU machines need NVLink multicast off
+    environ = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_DEBUG": "WARN"}
+    exported, kept = launch.export_env(wanted, environ)
+    assert environ["NCCL_NVLS_ENABLE"] == "0" and environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert environ["NCCL_DEBUG"] == "WARN" and kept == {"NCCL_NVLS_ENABLE": "0", "NCCL_DEBUG": "WARN"}
+    assert exported["NCCL_IB_HCA"] == environ["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
+
+
+def test_socket_ifname_auto_is_the_default_route(tmp_path):
+    routes = Path("/proc/net/route").read_text().splitlines()[1:]
+    default = [line.split()[0] for line in routes if line.split()[1] == "00000000"]
+    if not default:
+        pytest.skip("this machine has no default route")
+    environ: dict[str, str] = {}
+    launch.export_env(launch.wanted_env(load_config(SYSTEM, ["env.socket_ifname=auto"]), tmp_path), environ)
+    assert environ["NCCL_SOCKET_IFNAME"] == environ["GLOO_SOCKET_IFNAME"] == default[0]
+
+
+def test_node_from_slurm(monkeypatch):
+    for key, value in {"SLURM_JOB_ID": "77", "SLURM_NODEID": "2", "SLURM_JOB_NUM_NODES": "3",
+                       "SLURM_JOB_NODELIST": "gpu[08-09],gpu11", "SLURM_RESTART_COUNT": "1",
+                       "SLURM_PROCID": "2", "SLURM_NTASKS": "3"}.items():
+        monkeypatch.setenv(key, value)
+    node = launch.Node.detect()
+    assert (node.job_id, node.rank, node.count, node.host, node.master, node.restarts) == \
+           ("77", 2, 3, "gpu11", "gpu08", 1)
+    assert node.port(29500) == 29500
+    assert node.port(0) == launch.Node.detect().port(0) != 0  # derived from the job id: the same on every node
+    assert launch.Node.detect(local=True).count == 1 and launch.Node.detect(local=True).port(29500) == 0
+
+
+def test_preempted_exit_code_is_the_trainers():
+    from flux_train.train import EXIT_PREEMPTED
+
+    assert launch.PREEMPTED_EXIT_CODE == EXIT_PREEMPTED
+
+
+CHILD = """
+import signal, sys, time
+from pathlib import Path
+time.sleep(float(sys.argv[2]))  # a worker still initialising: USR2 would kill it
+signal.signal(signal.SIGUSR2, lambda *a: Path(sys.argv[1]).write_text("got USR2"))
+time.sleep(10)
+"""
+
+
+def test_relay_waits_until_each_worker_handles_usr2(tmp_path):
+    node = launch.Node.detect(local=True)
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / f"w{i}"), str(delay)],
+                                 start_new_session=True) for i, delay in enumerate((0.0, 2.0))]
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        with launch.SignalRelay(node):
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGUSR2)  # what Slurm sends the agent
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not all((tmp_path / f"w{i}").exists() for i in (0, 1)):
+                time.sleep(0.1)
+        assert all((tmp_path / f"w{i}").read_text() == "got USR2" for i in (0, 1))
+        assert all(child.poll() is None for child in children)  # neither was killed by an early USR2
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+        for child in children:
+            child.kill()
+            child.wait()
+
+
+def _find_worker(marker: str, local_rank: int) -> int | None:
+    for entry in os.listdir("/proc"):
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"FLUX_TEST_MARKER={marker}".encode() in env and f"LOCAL_RANK={local_rank}".encode() in env:
+            return int(entry)
+    return None
+
+
+@pytest.mark.slow
+def test_local_run_killed_worker_ends_it_naming_the_rank(tmp_path):
+    marker = str(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flux_train.submit", "--local", "--config", SYSTEM, "--nodes", "1",
+         "--set", "train.global_batch_size=4", "--set", "train.max_steps=100000", "--set", "eval.enabled=false",
+         "--set", f"logging.out_dir={tmp_path}/out", "--set", f"slurm.folder={tmp_path}/sub/%j"],
+        cwd=ROOT, env={**os.environ, "FLUX_TEST_MARKER": marker}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        mllog = tmp_path / "out" / "mllog.log"
+        while time.monotonic() < deadline and not (mllog.is_file() and "run_start" in mllog.read_text()):
+            time.sleep(0.5)
+        pid = _find_worker(marker, 1)
+        assert pid is not None, "worker with local rank 1 not found"
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out
+    assert f"worker rank 1 (local rank 1, pid {pid}) on 127.0.0.1 failed: killed by SIGKILL" in out

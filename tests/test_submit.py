@@ -1,0 +1,214 @@
+"""`python -m flux_train.submit`: the generated sbatch script and per-node commands field by field (pyxis,
+apptainer, docker, podman), hostile config strings staying inert, and one clear error per bad input.
+
+No container engine can run here: these tests check the commands we generate; tests/test_slurm_submit.py
+runs the real thing with runtime none, and a fake `srun` shim (below) only records its arguments."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flux_train import submit as sub
+
+SYSTEM = "configs/systems/cpu_02x02.yaml"
+
+
+def dry(capsys, tmp_path, *args: str) -> tuple[str, list[str]]:
+    """(sbatch script, the per-node srun argv) of a dry run."""
+    assert sub.main(["--config", SYSTEM, "--dry-run", "--set", f"slurm.folder={tmp_path}/sub/%j", *args]) == 0
+    out = capsys.readouterr().out
+    script = out.split("# ---- sbatch script ----\n", 1)[1].split("# ---- per-node command", 1)[0]
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    return script, shlex.split(srun)
+
+
+def program(argv: list[str]) -> list[str]:
+    """What srun runs: everything after srun's options (submitit's --unbuffered --output X --error Y, then ours)."""
+    assert argv[:2] == ["srun", "--unbuffered"] and argv[2] == "--output" and argv[4] == "--error"
+    i = 6
+    while argv[i].startswith("--"):
+        i += 1
+    return argv[i:]
+
+
+def sbatch_flags(script: str) -> dict[str, str]:
+    flags = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH "):
+            key, _, value = shlex.split(line[len("#SBATCH "):])[0].partition("=")
+            flags[key] = value
+    return flags
+
+
+def test_sbatch_script_one_task_per_node_with_requeue(capsys, tmp_path):
+    script, argv = dry(capsys, tmp_path, "--nodes", "4", "--partition", "gpu", "--account", "proj", "--qos", "high",
+                       "--time", "2:30:00", "--job-name", "flux run", "--set", "slurm.cpus_per_task=16",
+                       "--set", "train.global_batch_size=16")
+    flags = sbatch_flags(script)
+    assert flags["--nodes"] == "4" and flags["--ntasks-per-node"] == "1" and flags["--gpus-per-node"] == "2"
+    assert flags["--partition"] == "gpu" and flags["--account"] == "proj" and flags["--qos"] == "high"
+    assert flags["--time"] == "150" and flags["--job-name"] == "flux run" and flags["--cpus-per-task"] == "16"
+    assert flags["--signal"] == "USR2@60" and "--requeue" in flags and flags["--open-mode"] == "append"
+    assert "--kill-on-bad-exit=1" in argv and "--cpus-per-task=16" in argv
+    assert program(argv) == [sys.executable, "-u", "-m", "submitit.core._submit", f"{tmp_path}/sub/%j"]
+    assert f"export FLUX_REQUEUE_FLAG={tmp_path}/sub/${{SLURM_JOB_ID}}/requeue.flag" in script
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script.split("# teardown", 1)[1]
+
+
+def test_pyxis(capsys, tmp_path):
+    _, argv = dry(capsys, tmp_path, "--runtime", "pyxis", "--container-image", "./flux.sqsh",
+                  "--mounts", "/datasets/cc12m:/data:ro,/scratch")
+    cwd = os.getcwd()
+    assert "--container-image=./flux.sqsh" in argv
+    assert f"--container-mounts={cwd}:{cwd},{tmp_path}/sub:{tmp_path}/sub,/datasets/cc12m:/data:ro," \
+           f"/scratch:/scratch" in argv
+    assert f"--container-workdir={cwd}" in argv
+    # pyxis passes the job's environment itself; the image's Python is resolved inside the container
+    assert program(argv) == ["/usr/bin/env", "python3", "-u", "-m", "submitit.core._submit", f"{tmp_path}/sub/%j"]
+
+
+@pytest.mark.parametrize("profile,flag", [("nvidia", "--nv"), ("amd", "--rocm")])
+def test_apptainer(capsys, tmp_path, profile, flag):
+    _, argv = dry(capsys, tmp_path, "--runtime", "apptainer", "--container-image", "/images/flux.sif",
+                  "--mounts", "/data", "--set", f"env.profile={profile}")
+    cwd = os.getcwd()
+    assert program(argv) == ["apptainer", "exec", flag, f"--bind={cwd}:{cwd},{tmp_path}/sub:{tmp_path}/sub,/data:/data",
+                             f"--pwd={cwd}", "/images/flux.sif", "/usr/bin/env", "python3", "-u", "-m",
+                             "submitit.core._submit", f"{tmp_path}/sub/%j"]
+
+
+def test_docker_nvidia_with_infiniband(capsys, tmp_path):
+    _, argv = dry(capsys, tmp_path, "--runtime", "docker", "--container-image", "flux-train:cuda",
+                  "--mounts", "/data:/data:ro", "--set", "env.profile=nvidia", "--set", "env.ib_hca=mlx5",
+                  "--set", "container.env=[HF_HOME]")
+    cmd = program(argv)
+    image = cmd.index("flux-train:cuda")
+    options, python = cmd[2:image], cmd[image + 1:]
+    assert cmd[:2] == ["docker", "run"] and python[:2] == ["/usr/bin/env", "python3"]
+    assert {"--rm", "--init", "--network=host", "--ipc=host", "--ulimit=memlock=-1:-1"} <= set(options)
+    assert {"--gpus=all", "--device=/dev/infiniband", "--cap-add=IPC_LOCK"} <= set(options)
+    cwd = os.getcwd()
+    assert [o for o in options if o.startswith("--volume=")] == [
+        f"--volume={cwd}:{cwd}", f"--volume={tmp_path}/sub:{tmp_path}/sub", "--volume=/data:/data:ro"]
+    assert f"--workdir={cwd}" in options
+    passed = {o.split("=", 1)[1] for o in options if o.startswith("--env=")}
+    # what the agent needs from Slurm and submitit, the requeue flag, the multicast switches, and config extras
+    assert {"SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_JOB_NUM_NODES", "SLURM_PROCID",
+            "SLURM_RESTART_COUNT", "SUBMITIT_EXECUTOR", "FLUX_REQUEUE_FLAG", "NCCL_NVLS_ENABLE",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST", "HF_HOME"} <= passed
+    assert all("=" not in name for name in passed)  # names only: values come from the job, not the login node
+
+
+def test_docker_amd_and_podman_nvidia_devices(capsys, tmp_path):
+    _, argv = dry(capsys, tmp_path, "--runtime", "docker", "--container-image", "flux-train:rocm",
+                  "--set", "env.profile=amd")
+    options = program(argv)
+    assert {"--device=/dev/kfd", "--device=/dev/dri", "--group-add=video",
+            "--security-opt=seccomp=unconfined"} <= set(options)
+    assert "--gpus=all" not in options and "--device=/dev/infiniband" not in options
+    _, argv = dry(capsys, tmp_path, "--runtime", "podman", "--container-image", "flux-train:cuda",
+                  "--set", "env.profile=nvidia")
+    assert program(argv)[:2] == ["podman", "run"] and "--device=nvidia.com/gpu=all" in program(argv)
+
+
+def _fake_srun(bin_dir: Path, record: Path) -> None:
+    """A stand-in `srun` that only records its argv (no Slurm, no container engine runs here)."""
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!{sys.executable}\nimport json, sys\n"
+                                  f"open({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    (bin_dir / "srun").chmod(0o755)
+
+
+@pytest.mark.parametrize("runtime", ["pyxis", "docker"])
+def test_hostile_config_strings_stay_inert(capsys, tmp_path, runtime):
+    marker = tmp_path / "pwned"
+    evil = f"x'; touch {marker}; echo \"$(touch {marker})\" `touch {marker}`"
+    image = f"img:1 $(touch {marker});\"q'"
+    mount_src = tmp_path / f"my data;$(touch {marker})"
+    folder = tmp_path / "sub dir $(x)"
+    script, _ = dry(capsys, tmp_path, "--runtime", runtime, "--container-image", image, "--job-name", evil,
+                    "--mounts", f"{mount_src}:/data", "--set", f"slurm.folder={folder}/%j",
+                    "--set", f"container.extra_args=[{json.dumps(evil)}]")
+    assert sbatch_flags(script)["--job-name"] == evil
+    # run the script's setup and command lines with a recording srun in place of Slurm's
+    record = tmp_path / "argv.json"
+    _fake_srun(tmp_path / "bin", record)
+    body = script.split("# setup\n", 1)[1].split("# teardown", 1)[0]
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
+    done = subprocess.run(["bash", "-c", body + '\necho "flag=$FLUX_REQUEUE_FLAG"'], env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert f"flag={folder}/42/requeue.flag" in done.stdout
+    assert not marker.exists()
+    argv = json.loads(record.read_text())
+    if runtime == "pyxis":
+        assert f"--container-image={image}" in argv and evil in argv
+        assert f"--container-mounts={os.getcwd()}:{os.getcwd()},{folder}:{folder},{mount_src}:/data" in argv
+    else:
+        assert image in argv and evil in argv and f"--volume={mount_src}:/data" in argv
+    assert argv[-1] == f"{folder}/%j"
+
+
+def test_dry_run_script_is_the_one_submitit_submits(capsys, tmp_path):
+    if shutil.which("srun") is None:
+        pytest.skip("submitit's SlurmExecutor needs srun on PATH")
+    import submitit
+
+    from flux_train.config import load_config
+
+    script, _ = dry(capsys, tmp_path, "--runtime", "docker", "--container-image", "img")
+    cfg = load_config(SYSTEM, [f"slurm.folder={tmp_path}/sub/%j", "container.runtime=docker",
+                               "container.image=img"])
+    folder = f"{tmp_path}/sub/%j"
+    srun_args, python = sub.container_command(cfg)
+    executor = submitit.SlurmExecutor(folder=folder, python=shlex.join(python))
+    executor.update_parameters(**sub.sbatch_parameters(cfg, folder, srun_args))
+    assert executor._make_submission_file_text(executor._submitit_command_str, "uid") == script.rstrip("\n")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nodes", "0"], "argument --nodes: must be >= 1, got 0"),
+    (["--runtime", "singularity"], "argument --runtime: invalid choice: 'singularity'"),
+    (["--time", "soon"], "argument --time: expected minutes, H:MM:SS or D-HH:MM:SS, got 'soon'"),
+])
+def test_bad_flags_one_clear_message(capsys, tmp_path, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        sub.main(["--config", SYSTEM, "--set", f"slurm.folder={tmp_path}/sub/%j", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "sub").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config", "configs/systems/nope.yaml"], "config file not found: configs/systems/nope.yaml"),
+    (["--config", SYSTEM, "--runtime", "docker"], "container runtime docker needs an image: pass --container-image"),
+    (["--config", SYSTEM, "--nodes", "3"], "train.global_batch_size 8 is not divisible by"),
+    (["--config", SYSTEM, "--mounts", "/a:b"], "container mount '/a:b': the destination must be an absolute path"),
+    (["--config", SYSTEM, "--local", "--runtime", "pyxis", "--container-image", "x"], "--local cannot use pyxis"),
+])
+def test_bad_input_one_clear_message(capsys, tmp_path, args, message):
+    assert sub.main([*args, "--set", f"slurm.folder={tmp_path}/sub/%j"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "sub").exists()
+
+
+def test_no_slurm_on_path(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    assert sub.main(["--config", SYSTEM, "--set", f"slurm.folder={tmp_path}/sub/%j"]) == 2
+    err = capsys.readouterr().err
+    assert "sbatch/srun not found on PATH" in err and "--local" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "sub").exists()
+
+
+@pytest.mark.parametrize("text,minutes", [("90", 90), ("1:30:00", 90), ("2-00", 2880), ("1-0:0:30", 1441),
+                                          ("10:30", 11)])
+def test_time_formats(text, minutes):
+    assert sub.time_minutes(text) == minutes
