@@ -70,11 +70,12 @@ class Metrics:
         if self.device.type == "cuda":
             row["mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.reset_window()
-        if self.enabled:
-            self.emit(row)
+        self.emit(row)
         return row
 
     def emit(self, row: dict) -> None:
+        if not self.enabled:
+            return
         text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
         if self.bar is not None:
             self.bar.write(text)
