@@ -31,7 +31,7 @@ def evaluate(model: nn.Module, batches, *, device: torch.device, dtype: torch.dt
         gen = flow.seeded_generator(device, seed, eval_index, rank * 1_000_000 + i, flow.STREAM_EVAL)
         t = flow.eval_timesteps(batch["timestep"])
         inputs, target = flow.build_inputs(batch, t, gen, shift, scale, dtype)
-        pred = forward(**inputs.as_kwargs())[0]
+        pred = forward(**inputs.as_kwargs())
         valid = batch["valid"].to(torch.float64)
         total[0] += (flow.per_sample_mse(pred, target).double() * valid).sum()
         total[1] += valid.sum()

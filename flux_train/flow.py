@@ -98,7 +98,7 @@ class ModelInputs:
     def as_kwargs(self) -> dict:
         return dict(hidden_states=self.hidden_states, encoder_hidden_states=self.encoder_hidden_states,
                     pooled_projections=self.pooled_projections, timestep=self.timestep, img_ids=self.img_ids,
-                    txt_ids=self.txt_ids, return_dict=False)
+                    txt_ids=self.txt_ids)
 
 
 def build_inputs(batch: dict, t: torch.Tensor, gen: torch.Generator, shift: float, scale: float,

@@ -94,7 +94,7 @@ class Trainer:
                                                              self.empty_clip, t.caption_dropout_prob, drop_gen)
         timesteps = torch.rand(batch["t5"].shape[0], device=self.device, generator=gen)
         inputs, target = flow.build_inputs(batch, timesteps, gen, t.latent_shift, t.latent_scale, self.dtype)
-        pred = self.model(**inputs.as_kwargs())[0]
+        pred = self.model(**inputs.as_kwargs())
         return flow.mse_loss(pred, target)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -92,5 +92,5 @@ def test_init_is_independent_of_materialisation_order(mid_model):
 def test_zero_init_model_predicts_zero_velocity(mid_model):
     out = mid_model(hidden_states=torch.randn(2, 16, 64), encoder_hidden_states=torch.randn(2, 8, 4096),
                     pooled_projections=torch.randn(2, 768), timestep=torch.rand(2), img_ids=torch.zeros(16, 3),
-                    txt_ids=torch.zeros(8, 3), return_dict=False)[0]
+                    txt_ids=torch.zeros(8, 3))
     assert out.shape == (2, 16, 64) and torch.all(out == 0)

@@ -1,0 +1,119 @@
+"""Training forwards for diffusers' Flux modules: the same math and parameters, arranged for speed.
+
+Installed on a built model by `install_forwards` (instance-level `forward`, so parameter names, FSDP units
+and the diffusers export stay as they are). Against diffusers' own forwards:
+- q/k/v (and, in single blocks, the MLP input) run as one GEMM on concatenated weights, as the reference's
+  fused `qkv` / `linear1` layers do: fewer, larger GEMMs;
+- the timestep enters the sinusoidal embedding as given (diffusers casts it to the activation dtype first);
+- no controlnet / IP-adapter branches, so torch.compile sees one short graph per block.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+
+def _fused_linear(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
+    weight = torch.cat([lin.weight for lin in linears])
+    bias = torch.cat([lin.bias for lin in linears])
+    return F.linear(x, weight, bias)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs in fp32 (reference); x [B, L, H, D], cos/sin [L, D]."""
+    xf = x.float()
+    pairs = xf.unflatten(-1, (-1, 2))
+    rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return (xf * cos[None, :, None, :] + rotated * sin[None, :, None, :]).to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Joint bidirectional attention, no mask; q/k/v [B, L, H, D] -> [B, L, H*D]."""
+    cos, sin = rope
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2).flatten(2)
+
+
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return x.unflatten(-1, (-1, head_dim))
+
+
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                         joint_attention_kwargs=None):
+    attn = self.attn
+    shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1.linear(F.silu(temb)).chunk(6, dim=1)
+    c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = \
+        self.norm1_context.linear(F.silu(temb)).chunk(6, dim=1)
+    img = _modulate(self.norm1.norm(hidden_states), shift, scale)
+    txt = _modulate(self.norm1_context.norm(encoder_hidden_states), c_shift, c_scale)
+
+    q, k, v = _heads(_fused_linear(img, [attn.to_q, attn.to_k, attn.to_v]), attn.head_dim).chunk(3, dim=2)
+    tq, tk, tv = _heads(_fused_linear(txt, [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]),
+                        attn.head_dim).chunk(3, dim=2)
+    q = torch.cat([attn.norm_added_q(tq), attn.norm_q(q)], dim=1)
+    k = torch.cat([attn.norm_added_k(tk), attn.norm_k(k)], dim=1)
+    out = attention(q, k, torch.cat([tv, v], dim=1), image_rotary_emb)
+    text_len = encoder_hidden_states.shape[1]
+    txt_out, img_out = out[:, :text_len], out[:, text_len:]
+
+    hidden_states = hidden_states + gate[:, None] * attn.to_out[0](img_out)
+    hidden_states = hidden_states + gate_mlp[:, None] * self.ff(
+        _modulate(self.norm2(hidden_states), shift_mlp, scale_mlp))
+    encoder_hidden_states = encoder_hidden_states + c_gate[:, None] * attn.to_add_out(txt_out)
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp[:, None] * self.ff_context(
+        _modulate(self.norm2_context(encoder_hidden_states), c_shift_mlp, c_scale_mlp))
+    return encoder_hidden_states, hidden_states
+
+
+def single_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                         joint_attention_kwargs=None):
+    attn = self.attn
+    text_len = encoder_hidden_states.shape[1]
+    x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    shift, scale, gate = self.norm.linear(F.silu(temb)).chunk(3, dim=1)
+    h = x.shape[-1]
+    fused = _fused_linear(_modulate(self.norm.norm(x), shift, scale),
+                          [attn.to_q, attn.to_k, attn.to_v, self.proj_mlp])
+    q, k, v, mlp = fused.split([h, h, h, fused.shape[-1] - 3 * h], dim=-1)
+    q, k = attn.norm_q(_heads(q, attn.head_dim)), attn.norm_k(_heads(k, attn.head_dim))
+    out = attention(q, k, _heads(v, attn.head_dim), image_rotary_emb)
+    x = x + gate[:, None] * self.proj_out(torch.cat([out, self.act_mlp(mlp)], dim=2))
+    return x[:, :text_len], x[:, text_len:]
+
+
+def model_forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids):
+    """Velocity prediction [B, N, in_channels] for packed latents."""
+    x = self.x_embedder(hidden_states)
+    temb = self.time_text_embed(timestep * 1000, pooled_projections)
+    txt = self.context_embedder(encoder_hidden_states)
+    rope = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+    txt, x = self.run_double_stack(self.transformer_blocks, x, txt, temb, rope)
+    txt, x = self.run_single_stack(self.single_transformer_blocks, x, txt, temb, rope)
+    return self.proj_out(self.norm_out(x, temb))
+
+
+def run_stack(blocks: nn.ModuleList, x, txt, temb, rope):
+    for block in blocks:
+        txt, x = block(x, txt, temb, rope)
+    return txt, x
+
+
+def install_forwards(model: nn.Module) -> nn.Module:
+    for block in model.transformer_blocks:
+        block.forward = types.MethodType(double_block_forward, block)
+    for block in model.single_transformer_blocks:
+        block.forward = types.MethodType(single_block_forward, block)
+    model.forward = types.MethodType(model_forward, model)
+    # replaced by compiled regions when perf.compile=stack (flux_train.compile)
+    model.run_double_stack = run_stack
+    model.run_single_stack = run_stack
+    return model
