@@ -135,3 +135,18 @@ def test_local_run_killed_worker_ends_it_naming_the_rank(tmp_path):
         proc.kill()
     assert proc.returncode == 1, out
     assert f"worker rank 1 (local rank 1, pid {pid}) on 127.0.0.1 failed: killed by SIGKILL" in out
+
+
+def test_runtime_tunables_report_each_step_and_never_fail(tmp_path):
+    for path, value in (("proc/sys/vm/drop_caches", "0"), ("proc/sys/kernel/numa_balancing", "1")):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(value)
+    env = {**os.environ, "FLUX_TUNABLES_ROOT": str(tmp_path), "PATH": "/usr/bin:/bin"}  # no cpupower here
+    done = subprocess.run(["bash", str(launch.TUNABLES)], env=env, capture_output=True, text=True, timeout=30)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 8
+    assert "ok       drop the page cache (vm.drop_caches=3)" in lines and "ok       kernel.numa_balancing=0" in lines
+    assert (tmp_path / "proc/sys/vm/drop_caches").read_text().strip() == "3"
+    assert (tmp_path / "proc/sys/kernel/numa_balancing").read_text().strip() == "0"
+    assert "skipped  CPU frequency governor performance: cpupower not found" in lines
+    assert any(line.startswith("skipped  transparent hugepages enabled=always: ") for line in lines)

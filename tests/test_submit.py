@@ -212,3 +212,12 @@ def test_no_slurm_on_path(capsys, tmp_path, monkeypatch):
                                           ("10:30", 11)])
 def test_time_formats(text, minutes):
     assert sub.time_minutes(text) == minutes
+
+
+@pytest.mark.parametrize("system", sorted(p.stem for p in Path("configs/systems").glob("*.yaml")))
+def test_system_configs_resolve_and_dry_run(capsys, tmp_path, system):
+    assert sub.main(["--config", f"configs/systems/{system}.yaml", "--dry-run",
+                     "--set", f"slurm.folder={tmp_path}/sub/%j"]) == 0
+    nodes, gpus = (int(x) for x in system.split("_")[1].split("x")[:2])
+    flags = sbatch_flags(capsys.readouterr().out.split("# ---- sbatch script ----\n", 1)[1])
+    assert flags["--nodes"] == str(nodes) and flags["--gpus-per-node"] == str(gpus)
