@@ -230,7 +230,10 @@ def resolve_config(args: argparse.Namespace) -> Config:
             section, key = dotted.split(".")
             setattr(getattr(cfg, section), key, value)
     validate(cfg, world_size=cfg.slurm.nodes * cfg.slurm.gpus_per_node)
-    c = cfg.container
+    s, c = cfg.slurm, cfg.container
+    if not 0 < s.signal_delay_s < s.time_min * 60:
+        raise SubmitError(f"slurm.signal_delay_s={s.signal_delay_s} must be between 0 and the time limit "
+                          f"({s.time_min} min): it is how long before the limit the job starts its checkpoint")
     if c.runtime != "none" and not c.image:
         raise SubmitError(f"container runtime {c.runtime} needs an image: pass --container-image or set "
                           f"container.image in {args.config}")
@@ -289,8 +292,8 @@ def submit(cfg: Config) -> None:
                           "on this machine, or --dry-run to see the job")
     folder = os.path.abspath(cfg.slurm.folder)
     srun_args, python = container_command(cfg)
-    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=cfg.slurm.max_requeue,
-                                      python=shlex.join(python))
+    # requeue counting is the agent's (slurm.max_requeue), not submitit's: its USR2 handler is replaced
+    executor = submitit.SlurmExecutor(folder=folder, python=shlex.join(python))
     executor.update_parameters(**sbatch_parameters(cfg, folder, srun_args))
     try:
         job = executor.submit(NodeAgent(cfg))

@@ -1,6 +1,7 @@
 """`python -m flux_train.submit` on a real two-node Slurm (tests/slurm_cluster.py): a run to the end on both
-nodes, a requeue on Slurm's USR2 that resumes from the checkpoint, a killed worker ending the whole job, and
-the plain sbatch script. CPU only: the "GPUs" are gloo worker processes, the GPU gres files are fake."""
+nodes, a requeue on Slurm's USR2 that resumes from the checkpoint, a killed worker ending the whole job (through
+the docker runtime with a fake engine), and the plain sbatch script. CPU only: the "GPUs" are gloo worker
+processes and the GPU gres files are fake."""
 from __future__ import annotations
 
 import json
@@ -21,11 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "configs/systems/cpu_02x02.yaml"
 
 
-def submit(tmp_path: Path, *args: str) -> str:
+def submit(tmp_path: Path, *args: str, env: dict | None = None) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "flux_train.submit", "--config", SYSTEM, "--runtime", "none", "--nodes", "2",
+        [sys.executable, "-m", "flux_train.submit", "--config", SYSTEM, "--nodes", "2",
          "--set", f"logging.out_dir={tmp_path}/out", "--set", f"slurm.folder={tmp_path}/submitit/%j", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     job = re.search(r"submitted job (\d+)", out.stdout).group(1)
     assert f"log folder: {tmp_path}/submitit/{job}" in out.stdout and "tail -F" in out.stdout
@@ -51,7 +52,7 @@ def wait_run_start(tmp_path: Path) -> None:
 
 
 def test_two_nodes_train_to_the_end(slurm_cluster, tmp_path):
-    job = submit(tmp_path)
+    job = submit(tmp_path, "--runtime", "none")
     info = slurm_cluster.wait_job(job, timeout=240)
     logs = node_logs(tmp_path, job)
     assert info["JobState"] == "COMPLETED", logs
@@ -70,7 +71,7 @@ def test_two_nodes_train_to_the_end(slurm_cluster, tmp_path):
 
 def test_preemption_requeues_and_resumes(slurm_cluster, tmp_path):
     steps, gbs = 30, 4
-    job = submit(tmp_path, "--gpus-per-node", "1", "--set", f"train.global_batch_size={gbs}",
+    job = submit(tmp_path, "--runtime", "none", "--gpus-per-node", "1", "--set", f"train.global_batch_size={gbs}",
                  "--set", f"train.max_steps={steps}", "--set", "eval.every_steps=15")
     wait_run_start(tmp_path)
     slurm_cluster.run("scancel", "--signal=USR2", job)  # what Slurm sends signal_delay_s before the limit
@@ -102,9 +103,38 @@ def _worker_pid(run_id: str, rank: int) -> int | None:
     return None
 
 
+# No container engine can run here: this stand-in for `docker run` runs the command directly, with only the
+# variables named by --env=NAME (plus a bare PATH and HOME, like an image's) and in --workdir, as docker would.
+FAKE_DOCKER = """
+import json, os, sys
+args = sys.argv[1:]
+assert args[0] == "run", args
+i = 1
+while args[i].startswith("--"):
+    i += 1
+options, command = args[1:i], args[i + 1:]
+with open(os.environ["FAKE_DOCKER_RECORD"], "a") as record:
+    record.write(json.dumps(args) + "\\n")
+env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root"}
+env.update({o[6:]: os.environ[o[6:]] for o in options if o.startswith("--env=") and o[6:] in os.environ})
+os.chdir(next(o[10:] for o in options if o.startswith("--workdir=")))
+os.execve(command[0], command, env)
+"""
+
+
 def test_dead_worker_ends_the_job_naming_its_rank(slurm_cluster, tmp_path):
-    job = submit(tmp_path, "--set", "train.max_steps=100000", "--set", "eval.enabled=false")
+    """Through the docker runtime (a fake engine, above): the agent gets all it needs from the variables
+    passed by name, and a worker killed on node 1 ends both nodes quickly."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "docker.jsonl"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(f"#!{sys.executable}" + FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_DOCKER_RECORD": str(record)}
+    job = submit(tmp_path, "--runtime", "docker", "--container-image", "flux-train:test",
+                 "--set", f"container.python={sys.executable}", "--set", "container.env=[FAKE_DOCKER_RECORD]",
+                 "--set", "train.max_steps=100000", "--set", "eval.enabled=false", env=env)
     wait_run_start(tmp_path)
+    assert len(record.read_text().splitlines()) == 2  # one container per node
     pid = wait_for(lambda: _worker_pid(f"flux-{job}", 3), 10, "worker rank 3")
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()

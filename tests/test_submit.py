@@ -192,6 +192,7 @@ def test_bad_flags_one_clear_message(capsys, tmp_path, args, message):
     (["--config", SYSTEM, "--nodes", "3"], "train.global_batch_size 8 is not divisible by"),
     (["--config", SYSTEM, "--mounts", "/a:b"], "container mount '/a:b': the destination must be an absolute path"),
     (["--config", SYSTEM, "--local", "--runtime", "pyxis", "--container-image", "x"], "--local cannot use pyxis"),
+    (["--config", SYSTEM, "--time", "1"], "slurm.signal_delay_s=60 must be between 0 and the time limit (1 min)"),
 ])
 def test_bad_input_one_clear_message(capsys, tmp_path, args, message):
     assert sub.main([*args, "--set", f"slurm.folder={tmp_path}/sub/%j"]) == 2
