@@ -55,9 +55,9 @@ def empty_encodings(spec: FixtureSpec) -> tuple[torch.Tensor, torch.Tensor]:
     return empty["t5"], empty["clip"]
 
 
-def write_fixture(root: Path, spec: FixtureSpec) -> Path:
-    """Shards, index.txt, empty encodings and energon metadata under root."""
-    rows = fixture_rows(spec)
+def write_fixture(root: Path, spec: FixtureSpec, rows: dict | None = None) -> Path:
+    """Shards, index.txt, empty encodings and energon metadata under root (rows: fixture_rows(spec))."""
+    rows = rows or fixture_rows(spec)
     first_key = 0
     for split in ("train", "val"):
         writer = SplitWriter(root, split)
@@ -76,23 +76,26 @@ def write_fixture(root: Path, spec: FixtureSpec) -> Path:
     return root
 
 
-def write_arrow(root: Path, spec: FixtureSpec) -> dict[str, Path]:
-    """The same samples as MLCommons-style save_to_disk datasets: root/train, root/val."""
+def save_arrow(path: Path, samples: list[dict], val: bool) -> Path:
+    """Samples (as fixture_rows gives them) as an MLCommons-style save_to_disk dataset."""
     from datasets import Dataset, Features, Value
 
-    out = {}
-    for split, samples in fixture_rows(spec).items():
-        columns = {"__key__": [s["key"] for s in samples]}
-        for column, part in (("t5_encodings", "t5"), ("clip_encodings", "clip"), ("mean", "mean"),
-                             ("logvar", "logvar")):
-            columns[column] = [s["parts"][part] for s in samples]
-        features = {c: Value("binary") for c in columns if c != "__key__"} | {"__key__": Value("string")}
-        if split == "val":
-            columns["timestep"] = [s["timestep"] for s in samples]
-            features["timestep"] = Value("int64")
-        Dataset.from_dict(columns, features=Features(features)).save_to_disk(str(root / split))
-        out[split] = root / split
-    return out
+    columns: dict = {"__key__": [s["key"] for s in samples]}
+    features = {"__key__": Value("string")}
+    for column, part in (("t5_encodings", "t5"), ("clip_encodings", "clip"), ("mean", "mean"), ("logvar", "logvar")):
+        columns[column] = [s["parts"][part] for s in samples]
+        features[column] = Value("binary")
+    if val:
+        columns["timestep"] = [s["timestep"] for s in samples]
+        features["timestep"] = Value("int64")
+    Dataset.from_dict(columns, features=Features(features)).save_to_disk(str(path))
+    return path
+
+
+def write_arrow(root: Path, spec: FixtureSpec) -> dict[str, Path]:
+    """The fixture as the input of `convert`: root/train and root/val."""
+    return {split: save_arrow(Path(root) / split, samples, split == "val")
+            for split, samples in fixture_rows(spec).items()}
 
 
 def ensure_fixture(root: Path, train: int, val: int, text_len: int, height: int, width: int, seed: int) -> Path:

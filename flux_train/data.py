@@ -267,23 +267,23 @@ class EnergonVal:
     short batches are padded with copies of a real val sample marked valid=False."""
 
     def __init__(self, path: Path, rank: int, world: int, batch: int, num_workers: int):
-        def dataset(r: int, w: int, workers: int):
-            return get_val_dataset(path, split_part="val", worker_config=_worker_config(r, w, workers, 0),
-                                   batch_size=None, task_encoder=FluxTaskEncoder())
-
-        whole = dataset(0, 1, 0)
-        self.size, self.batch = len(whole), batch
+        self.path, self.rank, self.world, self.num_workers, self.batch = path, rank, world, num_workers, batch
+        whole = self._dataset(0, 1, 0)
+        self.size = len(whole)
         if self.size == 0:
             raise DataError(f"{path}: the val split is empty")
         counts = val_counts(self.size, world, num_workers)
-        mine = dataset(rank, world, num_workers)
-        if len(mine) != counts[rank]:
-            raise RuntimeError(f"energon gives rank {rank} {len(mine)} val samples, val_counts() predicts "
+        mine = len(self._dataset(rank, world, num_workers))
+        if mine != counts[rank]:
+            raise RuntimeError(f"energon gives rank {rank} {mine} val samples, val_counts() predicts "
                                f"{counts[rank]}: energon's split changed, update val_counts")
         self.mine = counts[rank]
         self.num_batches = math.ceil(max(counts) / batch)
         self.template = self._checked(next(iter(get_loader(whole))))
-        self.loader = get_loader(mine)  # persistent workers, reused by every pass
+
+    def _dataset(self, rank: int, world: int, workers: int):
+        return get_val_dataset(self.path, split_part="val", worker_config=_worker_config(rank, world, workers, 0),
+                               batch_size=None, task_encoder=FluxTaskEncoder())
 
     @staticmethod
     def _checked(sample: dict) -> dict:
@@ -297,8 +297,9 @@ class EnergonVal:
         return out
 
     def __call__(self) -> Iterator[dict]:
+        # a fresh dataset and loader per pass: energon resumes a re-iterated one where an abandoned pass stopped
         pending, batches, seen = [], 0, 0
-        for sample in self.loader:
+        for sample in get_loader(self._dataset(self.rank, self.world, self.num_workers)):
             pending.append(self._checked(sample))
             seen += 1
             if len(pending) == self.batch:

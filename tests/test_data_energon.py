@@ -1,0 +1,197 @@
+"""The energon side of flux_train.data on real datasets written by dataprep: the cooker, the train stream's
+order and exact resume, the val pass's exact coverage on any number of ranks, the empty encodings."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dataprep.fixture import FixtureSpec, fixture_rows, write_fixture
+from dataprep.format import encode_bf16
+from flux_train.config import DataConfig
+from flux_train.data import (DataError, EnergonTrainStream, EnergonVal, cook, decode_bf16, load_empty_encodings,
+                             val_counts)
+
+SPEC = FixtureSpec(train=24, val=13, text_len=4, height=2, width=2, seed=3, samples_per_shard=5)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_fixture(tmp_path_factory.mktemp("energon") / "ds", SPEC)
+
+
+def stream(path, rank=0, world=1, workers=0, seed=7, micro=3):
+    d = DataConfig(num_workers=workers, shuffle_buffer_size=10, max_samples_per_sequence=5)
+    return EnergonTrainStream(path, rank, world, micro, d, seed)
+
+
+def fingerprint(batch):
+    """Per sample, the first clip value: random, so it identifies the sample."""
+    return [round(float(v), 4) for v in batch["clip"][:, 0].float()]
+
+
+# ------------------------------------------------------------------ cooker
+
+
+def nvidia_sample(parts, meta, json_as_dict=False):
+    """A crude sample as energon hands it over for NVIDIA's layout: keys restart at 0, json bytes (decoder
+    off, their choice) or dict (energon's default decoder)."""
+    raw = {"__key__": "00000000", "__shard__": "val/shard_000000.tar", "__restore_key__": ("x", 0),
+           "__sources__": (), "__subflavors__": {}}
+    raw["json"] = meta if json_as_dict else json.dumps(meta).encode()
+    raw.update({f"{p}.bytes": b for p, b in parts.items()})
+    return raw
+
+
+@pytest.mark.parametrize("json_as_dict", [False, True])
+def test_cooker_reads_nvidia_layout_bytes_and_json_forms(json_as_dict):
+    parts = fixture_rows(SPEC)["train"][0]["parts"]
+    cooked = cook(nvidia_sample(parts, {"key": "abc", "timestep": 5}, json_as_dict))
+    assert cooked["timestep"].dtype == torch.int64 and int(cooked["timestep"]) == 5
+    for part, raw in parts.items():
+        assert cooked[part].dtype == torch.bfloat16
+        assert encode_bf16(cooked[part]) == raw  # bits unchanged
+    assert cooked["__key__"] == "00000000"
+    assert "timestep" not in cook(nvidia_sample(parts, {"key": "abc"}, json_as_dict))  # train: no timestep
+
+
+def test_cooker_names_the_missing_member_and_bad_dtype():
+    parts = dict(fixture_rows(SPEC)["train"][0]["parts"])
+    del parts["mean"]
+    with pytest.raises(DataError, match=r"val/shard_000000.tar: sample 00000000: missing member 00000000.mean.bytes"):
+        cook(nvidia_sample(parts, {"key": "k"}))
+    with pytest.raises(ValueError, match="dtype float32, expected uint16"):
+        buf = __import__("io").BytesIO()
+        np.save(buf, np.zeros(3, np.float32))
+        decode_bf16(buf.getvalue())
+
+
+# ------------------------------------------------------------------ train stream
+
+
+def test_same_seed_same_order_other_seed_other_order(dataset):
+    a, b, c = stream(dataset), stream(dataset), stream(dataset, seed=8)
+    first = [fingerprint(next(a)) for _ in range(8)]
+    assert first == [fingerprint(next(b)) for _ in range(8)]
+    assert first != [fingerprint(next(c)) for _ in range(8)]
+    batch = next(stream(dataset))
+    assert set(batch) == {"t5", "clip", "mean", "logvar"}  # the train contract, no timestep
+    assert batch["t5"].shape == (3, 4, 4096) and batch["mean"].shape == (3, 16, 2, 2)
+    assert all(v.dtype == torch.bfloat16 for v in batch.values())
+
+
+def test_ranks_read_disjoint_samples(dataset):
+    seen = [{v for _ in range(4) for v in fingerprint(next(s))} for s in (stream(dataset, 0, 2), stream(dataset, 1, 2))]
+    assert not seen[0] & seen[1]
+
+
+RESUME = textwrap.dedent("""
+    import json, sys, torch
+    from pathlib import Path
+    from flux_train.config import DataConfig
+    from flux_train.data import EnergonTrainStream
+    path, state, workers = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    d = DataConfig(num_workers=workers, shuffle_buffer_size=10, max_samples_per_sequence=5)
+    s = EnergonTrainStream(path, 1, 2, 3, d, 7)
+    s.load_state_dict(torch.load(state, weights_only=True))
+    print(json.dumps([[round(float(v), 4) for v in next(s)["clip"][:, 0].float()] for _ in range(6)]))
+""")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_restored_in_a_fresh_process_continues_exactly(dataset, tmp_path, workers):
+    ref = stream(dataset, rank=1, world=2, workers=workers)
+    for _ in range(5):
+        next(ref)
+    torch.save(ref.state_dict(), tmp_path / "state.pt")
+    expected = [fingerprint(next(ref)) for _ in range(6)]
+    proc = subprocess.run([sys.executable, "-c", RESUME, str(dataset), str(tmp_path / "state.pt"), str(workers)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_state_from_another_layout_is_refused(dataset):
+    state = stream(dataset, rank=0, world=2).state_dict()
+    with pytest.raises(ValueError, match="saved with world_size=2, this run has world_size=1"):
+        stream(dataset).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_workers=0, this run has num_workers=1"):
+        stream(dataset, rank=0, world=2, workers=1).load_state_dict(state)
+
+
+# ------------------------------------------------------------------ val pass
+
+
+def val_sample_ids():
+    """clip[0] of val sample i (val i copies train i here, all distinct) -> i."""
+    return {round(float(decode_bf16(r["parts"]["clip"])[0]), 4): i
+            for i, r in enumerate(fixture_rows(SPEC)["val"])}
+
+
+@pytest.mark.parametrize("world,workers", [(1, 0), (2, 0), (3, 0), (3, 2)])
+def test_val_covers_every_sample_once_with_equal_batches_per_rank(dataset, world, workers):
+    ids, counted, batches = val_sample_ids(), [], []
+    for rank in range(world):
+        val = EnergonVal(dataset, rank, world, batch=4, num_workers=workers)
+        assert val.size == SPEC.val
+        next(iter(val()))  # an abandoned pass (the trainer probes shapes this way) must not disturb the next
+        for _ in range(2):  # two evals see the same samples
+            passes = list(val())
+            batches.append(len(passes))
+            mine = []
+            for b in passes:
+                assert b["t5"].shape[0] == 4 and b["valid"].dtype == torch.bool and b["timestep"].dtype == torch.int64
+                keep = b["valid"]
+                mine += [ids[v] for v in fingerprint({"clip": b["clip"][keep]})]
+                assert [int(t) for t in b["timestep"][keep]] == [ids[v] % 8 for v in fingerprint({"clip": b["clip"][keep]})]
+            counted.append(mine)
+    assert len(set(batches)) == 1, batches  # every rank runs the same number of forwards
+    once = [i for mine in counted[::2] for i in mine]
+    assert sorted(once) == list(range(SPEC.val))  # every val sample exactly once per pass
+    assert counted[::2] == counted[1::2]
+
+
+def test_val_counts_for_the_coco_size():
+    # 29,696 COCO samples on 24 ranks x 4 workers do not split evenly; ranks differ by at most the workers
+    counts = val_counts(29_696, 24, 4)
+    assert sum(counts) == 29_696 and max(counts) - min(counts) <= 4
+    assert val_counts(29_696, 8, 4) == [3712] * 8
+
+
+# ------------------------------------------------------------------ empty encodings
+
+
+def test_empty_encodings_are_float16_values_converted_not_viewed(tmp_path):
+    values = torch.tensor([[0.5, -1.25, 3.0]])
+    np.save(tmp_path / "t5_empty.npy", values.numpy().astype(np.float16)[None])
+    np.save(tmp_path / "clip_empty.npy", values.numpy().astype(np.float16))
+    t5, clip = load_empty_encodings(tmp_path)
+    assert t5.dtype == clip.dtype == torch.bfloat16
+    assert t5.shape == (1, 1, 3) and clip.float().tolist() == [[0.5, -1.25, 3.0]]
+    np.save(tmp_path / "clip_empty.npy", np.zeros((1, 3), np.uint16))
+    with pytest.raises(DataError, match="clip_empty.npy: dtype uint16, expected float16 values"):
+        load_empty_encodings(tmp_path)
+    with pytest.raises(DataError, match="missing; write it with `python -m dataprep empty-encodings`"):
+        load_empty_encodings(tmp_path / "nowhere")
+
+
+# ------------------------------------------------------------------ the trainer on it
+
+
+def test_two_rank_training_reads_an_uneven_fixture_through_energon(tmp_path):
+    """torchrun, 2 ranks, 13 val samples in batches of 4: ranks hold 7 and 6 samples, both run 2 forwards;
+    the trainer checks that the eval counted all 13."""
+    args = ["--config", "configs/debug.yaml", "--set", "data.source=energon", "--set", "data.num_workers=1",
+            "--set", "data.synthetic_val_samples=13", "--set", f"data.fixture_dir={tmp_path / 'fixture'}",
+            "--set", "train.max_steps=4", "--set", "eval.every_steps=2", "--set", "eval.batch_size=4",
+            "--set", "train.micro_batch_size=4", "--set", "logging.log_every=2", "--set", f"logging.out_dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "flux_train.train", *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "val_loss" in r]) == 2
+    assert list((tmp_path / "fixture").glob("*/.nv-meta/dataset.yaml"))  # the fixture it wrote and read
