@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from flux_train import checkpoint, flow
+from flux_train.compile import block_wrapper, select_attention_backend
 from flux_train.config import Config, ConfigError, eval_interval_steps, load_config, validate
 from flux_train.data import build_data
 from flux_train.evaluate import evaluate
@@ -55,9 +56,17 @@ class Trainer:
         self.device = self.dist.device
         self.dtype = DTYPES[t.compute_dtype]
         self.accum = t.global_batch_size // (t.micro_batch_size * self.dist.world_size)
+        if cfg.perf.cuda_graphs:
+            raise ConfigError("perf.cuda_graphs: FSDP2 training steps cannot be captured (per-step all-gather and "
+                              "reduce-scatter buffers); graphs apply to the one-GPU path of python -m flux_train.bench")
+        select_attention_backend(cfg.perf.attention)
         self.model = build_model(cfg.model, cfg.perf.rmsnorm)
         self.n_params = count_params(self.model)
-        parallelize(self.model, self.dist.mesh, cfg.parallel, self.dtype)
+        try:
+            wrap = block_wrapper(cfg.perf.compile)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        parallelize(self.model, self.dist.mesh, cfg.parallel, self.dtype, wrap_block=wrap)
         materialize(self.model, self.device, t.seed)
         self.optimizer = build_optimizer(self.model, t)
         self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
@@ -117,6 +126,20 @@ class Trainer:
         self.step += 1
         return loss_sum, grad_norm, data_wait
 
+    def warm_up(self, iters: int) -> None:
+        """Compile and tune before run_start on a copy of one val batch (no training data is touched): steps
+        with lr 0 leave the weights as they are, then the optimizer state and grads are reset."""
+        if iters <= 0:
+            return
+        probe = next(iter(self.data.val()))
+        batch = {k: probe[k][:self.cfg.train.micro_batch_size] for k in ("t5", "clip", "mean", "logvar")}
+        set_lr(self.optimizer, 0.0)
+        for _ in range(iters):
+            self._micro_batch(batch, 0).backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()  # AdamW re-creates zero moments and step 0 at the first real step
+
     # ------------------------------------------------------------------ eval and the loop
 
     def run_eval(self) -> float:
@@ -156,6 +179,7 @@ class Trainer:
                   f"GBS {t.global_batch_size} (micro {t.micro_batch_size} x accum {self.accum}), "
                   f"eval every {interval} steps, device {self.device}", flush=True)
         self._install_stop_signal()
+        self.warm_up(cfg.perf.warmup_iters)
         if self.resume_from is None:
             self.mllog.end(C.INIT_STOP)
             self.mllog.start(C.RUN_START)
