@@ -77,18 +77,24 @@ class ShardJob:
     skip_rows: dict  # row -> reason (duplicates)
 
 
-_worker: dict = {}  # per worker process: the opened input, the progress queue, the stop flag
+_worker: dict = {"tables": {}}  # per worker process: opened inputs, the progress queue, the stop flag
 
 
-def _init_worker(input_path: str, progress_queue, stop) -> None:
-    from datasets import load_from_disk
+def _init_worker(progress_queue, stop) -> None:
+    _worker.update(queue=progress_queue, stop=stop)
 
-    _worker.update(table=load_from_disk(input_path).with_format("arrow"), queue=progress_queue, stop=stop)
+
+def _table(path: str):
+    if path not in _worker["tables"]:
+        from datasets import load_from_disk
+
+        _worker["tables"][path] = load_from_disk(path).with_format("arrow")  # memory-mapped
+    return _worker["tables"][path]
 
 
 def _rows(job: ShardJob, skipped: list):
     """The tar samples of one shard, checking every input row."""
-    table, val = _worker["table"], job.split == "val"
+    table, val = _table(job.input), job.split == "val"
     for start in range(job.plan.start, job.plan.end, CHUNK_ROWS):
         if _worker["stop"].is_set():
             raise DataprepError("stopped")
@@ -117,18 +123,18 @@ def _convert_shard(job: ShardJob) -> ShardRecord:
     return SplitWriter(Path(job.root), job.split).write(job.plan, _rows(job, skipped), skipped)
 
 
-def _run_pool(jobs: list[ShardJob], workers: int, bar) -> list[ShardRecord]:
+def _run_pool(jobs: list[ShardJob], workers: int, bar) -> dict[str, list[ShardRecord]]:
+    """Every shard job on one pool of spawned workers; returns the new records per split."""
     ctx = mp.get_context("spawn")  # fork would copy the parent's Arrow maps and threads
     progress_queue, stop = ctx.Queue(), ctx.Event()
-    records = []
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                               initargs=(jobs[0].input, progress_queue, stop))
+    records: dict[str, list[ShardRecord]] = {}
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(progress_queue, stop))
     try:
-        pending = {pool.submit(_convert_shard, job) for job in jobs}
+        pending = {pool.submit(_convert_shard, job): job.split for job in jobs}
         while pending:
-            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
             for future in done:
-                records.append(future.result())  # a worker's error stops everything here
+                records.setdefault(pending.pop(future), []).append(future.result())  # a worker's error stops here
             try:
                 while True:
                     rows, nbytes = progress_queue.get_nowait()
@@ -144,58 +150,77 @@ def _run_pool(jobs: list[ShardJob], workers: int, bar) -> list[ShardRecord]:
     return records
 
 
-def convert_split(input_path: Path, root: Path, split: str, first_key: int, per_shard: int, shape: Shape,
-                  workers: int, skip_bad: bool) -> None:
-    """Convert one split (resuming a crashed run)."""
-    t0 = time.perf_counter()
-    val = split == "val"
-    ds = open_input(input_path, val)
-    rows = len(ds)
-    skip_rows = duplicate_rows(ds, input_path, skip_bad)
-    writer = SplitWriter(root, split)
-    writer.start({"input": str(input_path.resolve()), "rows": rows, "first_key": first_key,
+@dataclass
+class Split:
+    name: str
+    input: Path
+    ds: object
+    writer: SplitWriter
+    first_key: int
+    done: list  # records of shards finished by an earlier run
+    jobs: list
+
+
+def _plan_split(name: str, path: Path, ds, root: Path, per_shard: int, shape: Shape, skip_bad: bool) -> Split:
+    first_key = val_first_key(root) if name == "val" else 0
+    skip_rows = duplicate_rows(ds, path, skip_bad)
+    writer = SplitWriter(root, name)
+    writer.start({"input": str(path.resolve()), "rows": len(ds), "first_key": first_key,
                   "samples_per_shard": per_shard, "shape": str(shape)})
-    finished = {p.index: writer.finished(p) for p in plan_shards(rows, per_shard)}
-    done = [r for r in finished.values() if r]
-    jobs = [ShardJob(p, str(input_path), str(root), split, first_key, shape, skip_bad,
-                     {r: why for r, why in skip_rows.items() if p.start <= r < p.end})
-            for p in plan_shards(rows, per_shard) if not finished[p.index]]
-    bar = progress.bar(rows, f"convert {split}", initial=sum(r.end - r.start for r in done))
-    with bar:
-        new = _run_pool(jobs, max(1, min(workers, len(jobs))), bar) if jobs else []
-    records = done + new
-    writer.finish(records)
-    _summarize(split, input_path, writer, records, new, workers, time.perf_counter() - t0, first_key, rows)
-
-
-def _summarize(split: str, input_path: Path, writer: SplitWriter, records: list[ShardRecord],
-               new: list[ShardRecord], workers: int, wall: float, first_key: int, rows: int) -> None:
-    written = sum(r.samples for r in new)
-    nbytes = sum(r.bytes for r in new)
-    busy = sum(r.seconds for r in new) or 1e-9
-    skipped = [s for r in sorted(records, key=lambda r: r.index) for s in r.skipped]
-    lines = [
-        ("input", f"{input_path} ({rows} rows)"),
-        ("output", f"{writer.dir} ({sum(1 for r in records if r.samples)} shards, "
-                   f"{sum(r.samples for r in records)} samples, keys {first_key}..{first_key + rows - 1})"),
-        ("this run", f"{len(new)} shards written, {len(records) - len(new)} already finished (skipped)"),
-        ("throughput", f"{written / max(wall, 1e-9):.1f} samples/s, {nbytes / 2**20 / max(wall, 1e-9):.1f} MiB/s "
-                       f"in {wall:.1f} s with {workers} workers"),
-        ("per worker", f"{written / busy:.1f} samples/s, {nbytes / 2**20 / busy:.1f} MiB/s (busy time)"),
-        ("skipped inputs", f"{len(skipped)}" + (f" (all listed in {writer.skipped_list})\n"
-                                               + progress.listed([f"row {r} {k!r}: {why}" for r, k, why in skipped])
-                                               if skipped else "")),
-    ]
-    progress.summary(f"convert {split}", lines)
+    done, jobs = [], []
+    for plan in plan_shards(len(ds), per_shard):
+        record = writer.finished(plan)
+        if record:
+            done.append(record)
+        else:
+            jobs.append(ShardJob(plan, str(path), str(root), name, first_key, shape, skip_bad,
+                                 {r: why for r, why in skip_rows.items() if plan.start <= r < plan.end}))
+    return Split(name, path, ds, writer, first_key, done, jobs)
 
 
 def convert(root: Path, train: Optional[Path], val: Optional[Path], per_shard: int, shape: Shape, workers: int,
             skip_bad: bool) -> None:
+    """Convert the given splits into root/train and root/val, resuming a crashed run."""
     if train is None and val is None:
         raise DataprepError("nothing to convert: give --train and/or --val")
     if per_shard <= 0:
         raise DataprepError(f"--samples-per-shard {per_shard}: must be > 0")
-    if train is not None:
-        convert_split(train, root, "train", 0, per_shard, shape, workers, skip_bad)
-    if val is not None:
-        convert_split(val, root, "val", val_first_key(root), per_shard, shape, workers, skip_bad)
+    t0 = time.perf_counter()
+    inputs = [(name, path, open_input(path, name == "val")) for name, path in (("train", train), ("val", val))
+              if path is not None]  # every input checked before anything is written
+    splits = [_plan_split(name, path, ds, root, per_shard, shape, skip_bad) for name, path, ds in inputs]
+    jobs = [job for split in splits for job in split.jobs]
+    workers = max(1, min(workers, len(jobs)))
+    bar = progress.bar(sum(len(s.ds) for s in splits), "convert " + "+".join(s.name for s in splits),
+                       initial=sum(r.end - r.start for s in splits for r in s.done))
+    with bar:
+        new = _run_pool(jobs, workers, bar) if jobs else {}
+    wall = time.perf_counter() - t0
+    for split in splits:
+        split.writer.finish(split.done + new.get(split.name, []))
+        _summarize(split, new.get(split.name, []))
+    _summarize_rates([r for records in new.values() for r in records], workers, wall)
+
+
+def _summarize(split: Split, new: list[ShardRecord]) -> None:
+    records = split.done + new
+    skipped = [s for r in sorted(records, key=lambda r: r.index) for s in r.skipped]
+    rows = len(split.ds)
+    progress.summary(f"convert {split.name}", [
+        ("input", f"{split.input} ({rows} rows)"),
+        ("output", f"{split.writer.dir} ({sum(1 for r in records if r.samples)} shards, "
+                   f"{sum(r.samples for r in records)} samples, keys {split.first_key}..{split.first_key + rows - 1})"),
+        ("this run", f"{len(new)} shards written, {len(split.done)} already finished (skipped)"),
+        ("skipped inputs", f"{len(skipped)}" + (f" (all listed in {split.writer.skipped_list})\n" + progress.listed(
+            [f"row {r} {k!r}: {why}" for r, k, why in skipped]) if skipped else "")),
+    ])
+
+
+def _summarize_rates(new: list[ShardRecord], workers: int, wall: float) -> None:
+    written, mib = sum(r.samples for r in new), sum(r.bytes for r in new) / 2**20
+    busy = sum(r.seconds for r in new) or 1e-9
+    progress.summary("convert throughput", [
+        ("total", f"{written} samples, {mib:.1f} MiB in {wall:.1f} s with {workers} workers: "
+                  f"{written / wall:.1f} samples/s, {mib / wall:.1f} MiB/s (start-up included)"),
+        ("per worker", f"{written / busy:.1f} samples/s, {mib / busy:.1f} MiB/s (while writing shards)"),
+    ])

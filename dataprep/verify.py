@@ -93,11 +93,14 @@ def check_tars(root: Path, split: str, report: Report) -> None:
         report.defect(f"{index}: does not list exactly the {len(tars)} .tar files of {folder}")
     for tar in tars:
         try:
-            # tarfile stops quietly at a cut header, so compare where the member data ends with the file size
+            # tarfile stops quietly at a cut header, so check that the last member's data and the end-of-archive
+            # marker (two zero blocks) fit in the file
             with tarfile.open(tar) as t:
                 end = max((m.offset_data + m.size for m in t), default=0)
-            if end > tar.stat().st_size:
-                raise tarfile.ReadError(f"member data ends at byte {end}, the file has {tar.stat().st_size}")
+            need = -(-end // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE + 2 * tarfile.BLOCKSIZE
+            if need > tar.stat().st_size:
+                raise tarfile.ReadError(f"member data and end marker need {need} bytes, the file has "
+                                        f"{tar.stat().st_size}")
         except (tarfile.TarError, OSError) as exc:
             report.defect(f"{tar}: truncated or corrupt tar ({exc})")
 

@@ -1,0 +1,185 @@
+"""`convert` + `prepare` on real HF-arrow inputs: byte-identical round trip in the DESIGN.md §4 layout, crash and
+rerun, and bad input (hard stop naming file and row, or --skip-bad counted and listed)."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+
+from dataprep.__main__ import main
+from dataprep.convert import convert
+from dataprep.fixture import FixtureSpec, fixture_rows, save_arrow, write_arrow
+from dataprep.format import DataprepError, Shape
+from dataprep.prepare import prepare
+from flux_train.data import FluxTaskEncoder, decode_bf16
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = FixtureSpec(train=11, val=6, text_len=4, height=2, width=2, seed=5)
+SHAPE = Shape(4, 2, 2)
+
+
+def members(tar):
+    with tarfile.open(tar) as t:
+        return {m.name: t.extractfile(m).read() for m in t}
+
+
+def energon_samples(root, split):
+    worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    ds = get_val_dataset(root, split_part=split, worker_config=worker_config, batch_size=None,
+                         task_encoder=FluxTaskEncoder())
+    return list(get_loader(ds))
+
+
+def test_round_trip_arrow_convert_prepare_energon_is_byte_identical(tmp_path):
+    inputs = write_arrow(tmp_path / "arrow", SPEC)
+    out = tmp_path / "ds"
+    rc = main(["convert", "--train", str(inputs["train"]), "--val", str(inputs["val"]), "--out", str(out),
+               "--shape", str(SHAPE), "--samples-per-shard", "4", "--workers", "2"])
+    assert rc == 0
+    prepare(out, workers=1)
+    rows = fixture_rows(SPEC)
+
+    # the layout: shards of 4, index.txt, members KEY.json/.t5/.clip/.mean/.logvar.bytes, keys unique across splits
+    assert (out / "train" / "index.txt").read_text().split() == [f"shard_{i:06d}.tar" for i in range(3)]
+    assert (out / "val" / "index.txt").read_text().split() == [f"shard_{i:06d}.tar" for i in range(2)]
+    first_key = {"train": 0, "val": SPEC.train}
+    for split in ("train", "val"):
+        tars = {}
+        for name in (out / split / "index.txt").read_text().split():
+            tars.update(members(out / split / name))
+        assert len(tars) == 5 * len(rows[split])
+        for i, row in enumerate(rows[split]):
+            key = f"{first_key[split] + i:08d}"
+            meta = {"key": row["key"]} | ({"timestep": row["timestep"]} if split == "val" else {})
+            assert tars[f"{key}.json"] == json.dumps(meta).encode()
+            for part, raw in row["parts"].items():
+                assert tars[f"{key}.{part}.bytes"] == raw  # the npy bytes unchanged
+    assert yaml.safe_load((out / ".nv-meta" / "dataset.yaml").read_text()) == {
+        "__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
+    split_parts = yaml.safe_load((out / ".nv-meta" / "split.yaml").read_text())["split_parts"]
+    assert split_parts["train"] == ["train/shard_{000000..000002}.tar"]
+    assert split_parts["val"] == ["val/shard_{000000..000001}.tar"]
+
+    # energon reads back the same keys and arrays
+    for split in ("train", "val"):
+        samples = energon_samples(out, split)
+        assert [s["__key__"] for s in samples] == [f"{first_key[split] + i:08d}" for i in range(len(rows[split]))]
+        for sample, row in zip(samples, rows[split]):
+            for part, raw in row["parts"].items():
+                assert torch.equal(sample[part].view(torch.int16), decode_bf16(raw).view(torch.int16))
+            if split == "val":
+                assert int(sample["timestep"]) == row["timestep"]
+
+
+def digests(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.tar"))}
+
+
+def test_killed_convert_reruns_to_the_same_shards_without_partial_files(tmp_path):
+    spec = FixtureSpec(train=40, val=0, text_len=256, height=2, width=2, samples_per_shard=2)
+    inputs = write_arrow(tmp_path / "arrow", spec)
+    args = [sys.executable, "-m", "dataprep", "convert", "--train", str(inputs["train"]), "--shape", "256,2,2",
+            "--samples-per-shard", "2", "--workers", "1"]
+    reference = tmp_path / "reference"
+    subprocess.run([*args, "--out", str(reference)], check=True, capture_output=True, cwd=ROOT, timeout=600)
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*args, "--out", str(out)], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    records = out / ".dataprep" / "train"
+    deadline = time.time() + 300
+    while len(list(records.glob("shard_*.tar.json"))) < 3 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the converter and its worker, mid-run
+    proc.wait()
+    finished = len(list(records.glob("shard_*.tar.json")))
+    assert proc.returncode == -signal.SIGKILL and 3 <= finished < 20, (proc.returncode, finished)
+    (out / "train" / "shard_000019.tar.partial").write_bytes(b"half a shard")  # as a crash mid-write leaves it
+
+    rerun = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"{finished} already finished" in rerun.stdout
+    assert not list(out.rglob("*.partial"))
+    assert digests(out / "train") == digests(reference / "train") and len(digests(reference / "train")) == 20
+    assert (out / "train" / "index.txt").read_text() == (reference / "train" / "index.txt").read_text()
+
+
+def bad_input(tmp_path, mutate, val=False):
+    samples = fixture_rows(SPEC)["val" if val else "train"]
+    mutate(samples)
+    return save_arrow(tmp_path / "bad", samples, val)
+
+
+def wrong_shape(samples):
+    buf = __import__("io").BytesIO()
+    np.save(buf, np.zeros((5, 4096), np.uint16))
+    samples[7]["parts"]["t5"] = buf.getvalue()
+
+
+def duplicate_key(samples):
+    samples[9]["key"] = samples[2]["key"]
+
+
+def test_bad_sample_stops_with_file_row_and_problem_and_leaves_no_partial_shard(tmp_path):
+    path = bad_input(tmp_path, wrong_shape)
+    with pytest.raises(DataprepError, match=rf"{path}: row 7 \(__key__ 'train-7'\): t5: shape \[5, 4096\], "
+                                            r"expected \[4, 4096\]; fix the input or pass --skip-bad"):
+        convert(tmp_path / "out", path, None, 4, SHAPE, 1, skip_bad=False)
+    assert not list((tmp_path / "out").rglob("*.partial"))
+    assert not (tmp_path / "out" / "train" / "shard_000001.tar").exists()  # the shard holding row 7
+    assert not (tmp_path / "out" / "train" / "index.txt").exists()
+
+
+def test_duplicate_keys_and_missing_columns_stop_before_writing(tmp_path):
+    path = bad_input(tmp_path, duplicate_key)
+    with pytest.raises(DataprepError, match=rf"{path}: row 9: duplicate __key__ 'train-2' \(first at row 2\)"):
+        convert(tmp_path / "out", path, None, 4, SHAPE, 1, skip_bad=False)
+    with pytest.raises(DataprepError, match=r"missing column\(s\) \['timestep'\]"):
+        convert(tmp_path / "out2", None, path, 4, SHAPE, 1, skip_bad=False)  # val needs timesteps
+    with pytest.raises(DataprepError, match="not a Hugging Face save_to_disk dataset"):
+        convert(tmp_path / "out3", tmp_path / "nowhere", None, 4, SHAPE, 1, skip_bad=False)
+
+
+def test_skip_bad_counts_and_lists_the_skipped_samples(tmp_path, capsys):
+    def both(samples):
+        wrong_shape(samples)
+        duplicate_key(samples)
+
+    path = bad_input(tmp_path, both)
+    out = tmp_path / "out"
+    assert main(["convert", "--train", str(path), "--out", str(out), "--shape", str(SHAPE), "--samples-per-shard", "4",
+                 "--workers", "1", "--skip-bad"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped inputs  2" in printed and "row 7 'train-7': t5: shape [5, 4096]" in printed
+    listed = (out / ".dataprep" / "train" / "skipped.tsv").read_text().splitlines()
+    assert [line.split("\t")[:2] for line in listed[1:]] == [["7", "train-7"], ["9", "train-2"]]
+    prepare(out, workers=1, quiet=True)
+    keys = [s["__key__"] for s in energon_samples(out, "train")]
+    assert keys == [f"{i:08d}" for i in range(SPEC.train) if i not in (7, 9)]
+
+
+def test_prepare_refuses_duplicate_keys_with_guidance_instead_of_exiting(tmp_path):
+    """NVIDIA's writer restarts keys at 0 in val/; energon >= 7.3 calls sys.exit on that, we raise."""
+    rows = fixture_rows(SPEC)
+    out = tmp_path / "nvidia"
+    for split in ("train", "val"):
+        (out / split).mkdir(parents=True)
+        with tarfile.open(out / split / "shard_000000.tar", "w") as tar:  # as their to_webdataset.py writes
+            for i, row in enumerate(rows[split]):
+                for ext, data in [("json", json.dumps({"key": row["key"]}).encode())] + \
+                        [(f"{p}.bytes", row["parts"][p]) for p in ("t5", "clip", "mean", "logvar")]:
+                    info = tarfile.TarInfo(f"{i:08d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, __import__("io").BytesIO(data))
+    with pytest.raises(DataprepError, match="sample keys repeat across shards.*restarts keys at 00000000 in val"):
+        prepare(out, workers=1, quiet=True)

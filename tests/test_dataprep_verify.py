@@ -1,0 +1,91 @@
+"""`verify` passes a clean dataset with its counts and fails on each planted defect, naming it."""
+import io
+import shutil
+import tarfile
+
+import numpy as np
+import pytest
+
+from dataprep.__main__ import main
+from dataprep.fixture import FixtureSpec, write_fixture
+from dataprep.prepare import prepare
+
+SPEC = FixtureSpec(train=10, val=9, text_len=4, height=2, width=2, samples_per_shard=5)
+SHAPE = "4,2,2"
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return write_fixture(tmp_path_factory.mktemp("verify") / "clean", SPEC)
+
+
+@pytest.fixture
+def dataset(clean, tmp_path):
+    return shutil.copytree(clean, tmp_path / "ds")
+
+
+def verify(root, capsys):
+    rc = main(["verify", str(root), "--shape", SHAPE, "--workers", "0"])
+    return rc, capsys.readouterr().out
+
+
+def rewrite(tar_path, drop=(), replace=None):
+    """Rewrite a shard without some members / with other bytes for some, then re-index the dataset."""
+    with tarfile.open(tar_path) as t:
+        members = [(m, t.extractfile(m).read()) for m in t]
+    with tarfile.open(tar_path, "w") as t:
+        for member, data in members:
+            if member.name in drop:
+                continue
+            data = (replace or {}).get(member.name, data)
+            member.size = len(data)
+            t.addfile(member, io.BytesIO(data))
+
+
+def test_clean_dataset_passes_with_counts_per_split_and_timestep(clean, capsys):
+    rc, out = verify(clean, capsys)
+    assert rc == 0, out
+    assert "train             10 samples" in out and "val               9 samples" in out
+    assert "val per timestep  0: 2, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 7: 1" in out
+    assert "defects           none" in out
+
+
+def test_truncated_tar_is_named(dataset, capsys):
+    shard = dataset / "train" / "shard_000001.tar"
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])  # a copy cut mid-sample
+    rc, out = verify(dataset, capsys)
+    assert rc == 1
+    assert f"{shard}: truncated or corrupt tar" in out
+
+
+def test_wrong_shape_is_named(dataset, capsys):
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((3, 4096), np.uint16))
+    rewrite(dataset / "val" / "shard_000000.tar", replace={"00000012.t5.bytes": buf.getvalue()})
+    prepare(dataset, workers=1, quiet=True)
+    rc, out = verify(dataset, capsys)
+    assert rc == 1
+    assert "val/shard_000000.tar: sample 00000012: t5: shape [3, 4096], expected [4, 4096]" in out
+
+
+def test_missing_member_is_named(dataset, capsys):
+    rewrite(dataset / "train" / "shard_000000.tar", drop={"00000003.logvar.bytes"})
+    prepare(dataset, workers=1, quiet=True)
+    rc, out = verify(dataset, capsys)
+    assert rc == 1
+    assert "train/shard_000000.tar: sample 00000003: logvar: missing or empty" in out
+
+
+def test_missing_empty_encodings_and_metadata_are_named(dataset, capsys):
+    (dataset / "empty_encodings" / "clip_empty.npy").unlink()
+    rc, out = verify(dataset, capsys)
+    assert rc == 1 and "empty_encodings/clip_empty.npy: missing" in out
+    (dataset / ".nv-meta" / "dataset.yaml").unlink()
+    rc, out = verify(dataset, capsys)
+    assert rc == 1 and ".nv-meta/dataset.yaml: missing; run `python -m dataprep prepare" in out
+
+
+def test_wrong_expected_shape_fails_every_sample(clean, capsys):
+    rc = main(["verify", str(clean), "--workers", "0"])  # default: the full-size 256,32,32
+    out = capsys.readouterr().out
+    assert rc == 1 and "t5: shape [4, 4096], expected [256, 4096]" in out
