@@ -191,6 +191,8 @@ class SignalRelay:
         return self
 
     def __exit__(self, *exc) -> None:
+        # the workers are gone: a late USR2 must not reach submitit's handler and requeue a finished job
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         self.done.set()
         self.requested.set()
         self.thread.join()
@@ -216,7 +218,7 @@ class SignalRelay:
 # workers
 
 
-def launch_config(cfg: Config, node: Node, local_dir: Path):
+def launch_config(cfg: Config, node: Node, worker_logs: Path):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -233,7 +235,7 @@ def launch_config(cfg: Config, node: Node, local_dir: Path):
         # the rendezvous orders nodes by this name, and rank 0's becomes the workers' MASTER_ADDR
         local_addr=node.host,
         max_restarts=0,  # fail fast: recovery is Slurm's requeue plus the checkpoint, not an in-job restart
-        logs_specs=DefaultLogsSpecs(log_dir=str(local_dir / "workers"), tee=Std.ALL),
+        logs_specs=DefaultLogsSpecs(log_dir=str(worker_logs), tee=Std.ALL),
         log_line_prefix_template="[rank${rank}]:",
     )
 
@@ -242,7 +244,7 @@ def worker_args(config_file: Path) -> list[str]:
     return ["-u", "-m", "flux_train.train", "--config", str(config_file)]
 
 
-def describe_failure(err, host: str) -> str:
+def describe_failure(err, host: str, worker_logs: Path) -> str:
     """ChildFailedError -> one line per failed worker (the first to fail first) and its stderr tail."""
     first_rank = err.get_first_failure()[0]
     lines = []
@@ -251,8 +253,8 @@ def describe_failure(err, host: str) -> str:
                  else f"exit code {failure.exitcode}")
         lines.append(f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) on {host} "
                      f"failed: {cause}")
-        stderr = Path(failure.error_file).with_name("stderr.log")
-        if stderr.is_file():
+        # the launcher's layout: <log_dir>/<run id>_<random>/attempt_<n>/<local rank>/stderr.log
+        for stderr in worker_logs.glob(f"*/attempt_*/{failure.local_rank}/stderr.log"):
             lines += ["    " + line for line in stderr.read_text(errors="replace").splitlines()[-15:]]
     return "\n".join(lines)
 
@@ -313,13 +315,14 @@ def run_node(cfg: Config, local: bool = False) -> str:
     # the launcher reports each node's rendezvous result (group rank, global ranks) at INFO
     logging.basicConfig(format="%(message)s")
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.INFO)
+    worker_logs = local_dir / f"workers-{os.getpid()}"  # this start's own: a requeued job starts again
     with SignalRelay(node):
         try:
-            elastic_launch(launch_config(cfg, node, local_dir), sys.executable)(*worker_args(config_file))
+            elastic_launch(launch_config(cfg, node, worker_logs), sys.executable)(*worker_args(config_file))
         except ChildFailedError as err:
             if stopped_for_requeue(err):
                 return request_requeue(cfg, node)
-            message = describe_failure(err, node.host)
+            message = describe_failure(err, node.host, worker_logs)
             log(node, message)
             raise WorkerFailure(message) from None
     log(node, "workers finished")

@@ -20,21 +20,22 @@ import shlex
 import shutil
 import subprocess
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from flux_train.config import CONFIG_DIR, Config, ConfigError, load_config, validate
+from flux_train.config import CONFIG_DIR, Config, ConfigError, ContainerConfig, load_config, validate
 from flux_train.launch import REQUEUE_FLAG_ENV, NodeAgent
 
-RUNTIMES = ("pyxis", "apptainer", "docker", "podman", "none")
+RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
 # docker/podman start from the image's environment: what the agent needs from Slurm's and the site's
 PASSTHROUGH = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_PROCID",
                "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID",
                "SLURM_ARRAY_TASK_ID", "SUBMITIT_EXECUTOR", "SUBMITIT_PREEMPT_SIGNAL", REQUEUE_FLAG_ENV,
                "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE",
-               "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+               "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 # srun's exit status stays the job's; a flag left by an agent turns into a requeue from the host
 TEARDOWN = [
     "flux_rc=$?",

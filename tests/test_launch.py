@@ -150,3 +150,19 @@ def test_runtime_tunables_report_each_step_and_never_fail(tmp_path):
     assert (tmp_path / "proc/sys/kernel/numa_balancing").read_text().strip() == "0"
     assert "skipped  CPU frequency governor performance: cpupower not found" in lines
     assert any(line.startswith("skipped  transparent hugepages enabled=always: ") for line in lines)
+
+
+def test_failure_names_rank_host_cause_and_stderr_tail(tmp_path, monkeypatch):
+    """A worker that raises: the agent's message names its rank, host, exit code and ends with its traceback."""
+    cfg = load_config(SYSTEM, ["slurm.nodes=1", "slurm.gpus_per_node=1", "train.global_batch_size=2",
+                               f"env.local_dir={tmp_path}"])
+    monkeypatch.setattr(launch, "worker_args", lambda config_file: ["-c", "raise SystemExit('boom: bad shard')"])
+    for key in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(key, raising=False)  # the agent exports them: restored after the test
+    previous = signal.getsignal(signal.SIGUSR2)
+    with pytest.raises(launch.WorkerFailure) as failure:
+        launch.run_node(cfg, local=True)
+    signal.signal(signal.SIGUSR2, previous)
+    message = str(failure.value)
+    assert message.startswith("worker rank 0 (local rank 0, pid ") and " on 127.0.0.1 failed: exit code 1" in message
+    assert message.splitlines()[-1].strip().endswith("boom: bad shard")
