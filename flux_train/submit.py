@@ -179,15 +179,16 @@ def time_minutes(text: str) -> int:
     try:
         days, _, clock = text.rpartition("-")
         parts = [int(p) for p in clock.split(":")]
-        if len(parts) > 3 or min(parts) < 0:
+        if min(parts) < 0 or len(parts) > 3:
             raise ValueError
         if days:
-            h, m, s = (parts + [0, 0])[:3]
-            seconds = int(days) * 86400 + h * 3600 + m * 60 + s
+            h, m, s = parts + [0] * (3 - len(parts))
+        elif len(parts) == 3:
+            h, m, s = parts
         else:
-            seconds = {1: lambda m: m * 60, 2: lambda m, s: m * 60 + s,
-                       3: lambda h, m, s: h * 3600 + m * 60 + s}[len(parts)](*parts)
-    except (ValueError, KeyError):
+            h, m, s = 0, parts[0], parts[1] if len(parts) == 2 else 0
+        seconds = int(days or 0) * 86400 + h * 3600 + m * 60 + s
+    except ValueError:
         raise argparse.ArgumentTypeError(f"expected minutes, H:MM:SS or D-HH:MM:SS, got {text!r}") from None
     if seconds < 60:
         raise argparse.ArgumentTypeError(f"must be at least 1 minute, got {text!r}")
