@@ -127,13 +127,46 @@ def fwdbwd_row(name: str, forward, module, kw, target, steps: int, graphs: bool,
             "warm_s": round(warm, 1)}
 
 
+KERNEL_KINDS = (("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")), ("attention", ("flash", "fmha")),
+                ("nccl", ("nccl",)), ("triton fused", ("triton",)))
+
+
+def profile_step(forward, module, kw, target, steps: int = 3) -> None:
+    """Where the GPU time of a forward+backward goes: shares per kernel kind and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = list(module.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        flow.mse_loss(forward(**kw), target).backward()
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    shares = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for e in events:
+        kind = next((k for k, keys in KERNEL_KINDS if any(s in e.key.lower() for s in keys)), "other")
+        shares[kind] += e.self_device_time_total
+    print("PROFILE kernel time per step (ms): " + ", ".join(
+        f"{k} {v / 1000 / steps:.1f} ({100 * v / total:.0f}%)" for k, v in shares.items()), flush=True)
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
+        print(f"PROFILE {e.self_device_time_total / 1000 / steps:8.2f} ms x{e.count // steps:<4d} {e.key[:110]}")
+
+
 def run_fwdbwd(cfg: Config, args) -> list[dict]:
     kw, target = synthetic_inputs(cfg, args.batch, args.text_len, args.latent, "cuda")
     flops = flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)
     p = cfg.perf
-    variants = [("stock diffusers eager", "stock", False, None), ("stock diffusers regional compile", "stock", True,
-                                                                  None),
-                ("flux-train", "ours", p.cuda_graphs, p)]
+    stock = [("stock diffusers eager", "stock", False, None),
+             ("stock diffusers regional compile", "stock", True, None)]
+    variants = ([] if args.only_ours else stock) + [("flux-train", "ours", p.cuda_graphs, p)]
     if args.ablate:
         variants += [("  - CUDA graphs", "ours", False, p),
                      ("  - compile (eager)", "ours", False, replace(p, compile="none")),
@@ -150,6 +183,8 @@ def run_fwdbwd(cfg: Config, args) -> list[dict]:
         row = fwdbwd_row(name, forward, module, kw, target, args.steps, graphs, flops, args.batch)
         print(json.dumps(row), flush=True)
         rows.append(row)
+        if args.profile and name == "flux-train":
+            profile_step(forward, module, kw, target)
         del forward, module
         gc.collect()
         torch.cuda.empty_cache()
@@ -256,7 +291,9 @@ def main(argv=None) -> int:
     p.add_argument("--text-len", type=int, default=256)
     p.add_argument("--latent", type=int, default=32, help="latent side (32 = 256x256 images)")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--ablate", action="store_true")
+    p.add_argument("--ablate", action="store_true", help="one row per technique switched off")
+    p.add_argument("--only-ours", action="store_true", help="skip the stock rows")
+    p.add_argument("--profile", action="store_true", help="kernel-time breakdown of our step")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--out-dir", default="runs/bench")
     args = p.parse_args(argv)
