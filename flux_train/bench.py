@@ -127,7 +127,8 @@ def fwdbwd_row(name: str, forward, module, kw, target, steps: int, graphs: bool,
             "warm_s": round(warm, 1)}
 
 
-KERNEL_KINDS = (("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")), ("attention", ("flash", "fmha")),
+# attention first: flash kernels carry cutlass in their template names
+KERNEL_KINDS = (("attention", ("flash", "fmha")), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
                 ("nccl", ("nccl",)), ("triton fused", ("triton",)))
 
 
