@@ -93,8 +93,8 @@ def stock_model(cfg: Config, regional: bool):
     return lambda **kw: model(**kw, return_dict=False)[0], model
 
 
-def our_model(cfg: Config, rmsnorm: str, compile_mode: str):
-    model = build_model(cfg.model, rmsnorm_impl=rmsnorm)
+def our_model(cfg: Config, rmsnorm: str, compile_mode: str, fp8: str):
+    model = build_model(cfg.model, rmsnorm_impl=rmsnorm, fp8=fp8)
     model.to_empty(device="cuda")
     init_weights(model, seed=0)
     with torch.no_grad():  # leave the zero init so no branch is trivially zero
@@ -168,6 +168,8 @@ def run_fwdbwd(cfg: Config, args) -> list[dict]:
     stock = [("stock diffusers eager", "stock", False, None),
              ("stock diffusers regional compile", "stock", True, None)]
     variants = ([] if args.only_ours else stock) + [("flux-train", "ours", p.cuda_graphs, p)]
+    variants += [(f"flux-train + FP8 {recipe}", "ours", p.cuda_graphs, replace(p, fp8=recipe))
+                 for recipe in filter(None, args.fp8.split(","))]
     if args.ablate:
         variants += [("  - CUDA graphs", "ours", False, p),
                      ("  - compile (eager)", "ours", False, replace(p, compile="none")),
@@ -179,7 +181,7 @@ def run_fwdbwd(cfg: Config, args) -> list[dict]:
             forward, module = stock_model(cfg, regional=flag)
             graphs = False
         else:
-            forward, module = our_model(cfg, perf.rmsnorm, perf.compile)
+            forward, module = our_model(cfg, perf.rmsnorm, perf.compile, perf.fp8)
             graphs = flag
         row = fwdbwd_row(name, forward, module, kw, target, args.steps, graphs, flops, args.batch)
         print(json.dumps(row), flush=True)
@@ -294,6 +296,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--ablate", action="store_true", help="one row per technique switched off")
     p.add_argument("--only-ours", action="store_true", help="skip the stock rows")
+    p.add_argument("--fp8", default="", help="extra rows with these FP8 recipes, e.g. rowwise,tensorwise")
     p.add_argument("--profile", action="store_true", help="kernel-time breakdown of our step")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--out-dir", default="runs/bench")

@@ -5,7 +5,8 @@ and the diffusers export stay as they are). Against diffusers' own forwards:
 - q/k/v (and, in single blocks, the MLP input) run as one GEMM on concatenated weights, as the reference's
   fused `qkv` / `linear1` layers do: fewer, larger GEMMs;
 - the timestep enters the sinusoidal embedding as given (diffusers casts it to the activation dtype first);
-- no controlnet / IP-adapter branches, so torch.compile sees one short graph per block.
+- no controlnet / IP-adapter branches, so torch.compile sees one short graph per block;
+- optionally FP8 GEMMs (perf.fp8, flux_train.kernels.fp8).
 """
 from __future__ import annotations
 
@@ -15,12 +16,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flux_train.kernels.fp8 import linear
 
 
-def _fused_linear(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
+
+def _fused_linear(x: torch.Tensor, linears: list[nn.Linear], fp8: str) -> torch.Tensor:
     weight = torch.cat([lin.weight for lin in linears])
     bias = torch.cat([lin.bias for lin in linears])
-    return F.linear(x, weight, bias)
+    return linear(x, weight, bias, fp8)
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear, fp8: str) -> torch.Tensor:
+    return linear(x, layer.weight, layer.bias, fp8)
+
+
+def _mlp(ff: nn.Module, x: torch.Tensor, fp8: str) -> torch.Tensor:
+    """diffusers FeedForward (proj -> tanh GELU -> dropout 0 -> Linear) with our linear."""
+    hidden = F.gelu(_linear(x, ff.net[0].proj, fp8), approximate="tanh")
+    return _linear(hidden, ff.net[2], fp8)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -56,8 +69,9 @@ def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image
     img = _modulate(self.norm1.norm(hidden_states), shift, scale)
     txt = _modulate(self.norm1_context.norm(encoder_hidden_states), c_shift, c_scale)
 
-    q, k, v = _heads(_fused_linear(img, [attn.to_q, attn.to_k, attn.to_v]), attn.head_dim).chunk(3, dim=2)
-    tq, tk, tv = _heads(_fused_linear(txt, [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]),
+    fp8 = self.fp8
+    q, k, v = _heads(_fused_linear(img, [attn.to_q, attn.to_k, attn.to_v], fp8), attn.head_dim).chunk(3, dim=2)
+    tq, tk, tv = _heads(_fused_linear(txt, [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj], fp8),
                         attn.head_dim).chunk(3, dim=2)
     q = torch.cat([attn.norm_added_q(tq), attn.norm_q(q)], dim=1)
     k = torch.cat([attn.norm_added_k(tk), attn.norm_k(k)], dim=1)
@@ -65,12 +79,12 @@ def double_block_forward(self, hidden_states, encoder_hidden_states, temb, image
     text_len = encoder_hidden_states.shape[1]
     txt_out, img_out = out[:, :text_len], out[:, text_len:]
 
-    hidden_states = hidden_states + gate[:, None] * attn.to_out[0](img_out)
-    hidden_states = hidden_states + gate_mlp[:, None] * self.ff(
-        _modulate(self.norm2(hidden_states), shift_mlp, scale_mlp))
-    encoder_hidden_states = encoder_hidden_states + c_gate[:, None] * attn.to_add_out(txt_out)
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp[:, None] * self.ff_context(
-        _modulate(self.norm2_context(encoder_hidden_states), c_shift_mlp, c_scale_mlp))
+    hidden_states = hidden_states + gate[:, None] * _linear(img_out, attn.to_out[0], fp8)
+    hidden_states = hidden_states + gate_mlp[:, None] * _mlp(
+        self.ff, _modulate(self.norm2(hidden_states), shift_mlp, scale_mlp), fp8)
+    encoder_hidden_states = encoder_hidden_states + c_gate[:, None] * _linear(txt_out, attn.to_add_out, fp8)
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp[:, None] * _mlp(
+        self.ff_context, _modulate(self.norm2_context(encoder_hidden_states), c_shift_mlp, c_scale_mlp), fp8)
     return encoder_hidden_states, hidden_states
 
 
@@ -82,11 +96,11 @@ def single_block_forward(self, hidden_states, encoder_hidden_states, temb, image
     shift, scale, gate = self.norm.linear(F.silu(temb)).chunk(3, dim=1)
     h = x.shape[-1]
     fused = _fused_linear(_modulate(self.norm.norm(x), shift, scale),
-                          [attn.to_q, attn.to_k, attn.to_v, self.proj_mlp])
+                          [attn.to_q, attn.to_k, attn.to_v, self.proj_mlp], self.fp8)
     q, k, v, mlp = fused.split([h, h, h, fused.shape[-1] - 3 * h], dim=-1)
     q, k = attn.norm_q(_heads(q, attn.head_dim)), attn.norm_k(_heads(k, attn.head_dim))
     out = attention(q, k, _heads(v, attn.head_dim), image_rotary_emb)
-    x = x + gate[:, None] * self.proj_out(torch.cat([out, self.act_mlp(mlp)], dim=2))
+    x = x + gate[:, None] * _linear(torch.cat([out, self.act_mlp(mlp)], dim=2), self.proj_out, self.fp8)
     return x[:, :text_len], x[:, text_len:]
 
 
@@ -107,11 +121,15 @@ def run_stack(blocks: nn.ModuleList, x, txt, temb, rope):
     return txt, x
 
 
-def install_forwards(model: nn.Module) -> nn.Module:
+def install_forwards(model: nn.Module, fp8: str = "none") -> nn.Module:
+    """`fp8`: "none" or a recipe of flux_train.kernels.fp8 for the blocks' GEMMs (attention, norms, adaLN
+    modulation, embedders and the final layer stay bf16)."""
     for block in model.transformer_blocks:
         block.forward = types.MethodType(double_block_forward, block)
+        block.fp8 = fp8
     for block in model.single_transformer_blocks:
         block.forward = types.MethodType(single_block_forward, block)
+        block.fp8 = fp8
     model.forward = types.MethodType(model_forward, model)
     # replaced by compiled regions when perf.compile=stack (flux_train.compile)
     model.run_double_stack = run_stack

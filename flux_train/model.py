@@ -20,7 +20,7 @@ from flux_train.layers import install_forwards
 NORM_NAMES = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 
-def build_model(mcfg: ModelConfig, rmsnorm_impl: str = "auto") -> nn.Module:
+def build_model(mcfg: ModelConfig, rmsnorm_impl: str = "auto", fp8: str = "none") -> nn.Module:
     """The model on the meta device (no memory) with our training forwards (flux_train.layers);
     materialise with `materialize`."""
     from diffusers import FluxTransformer2DModel
@@ -43,7 +43,7 @@ def build_model(mcfg: ModelConfig, rmsnorm_impl: str = "auto") -> nn.Module:
                 old = getattr(module, name, None)
                 if isinstance(old, nn.RMSNorm):
                     setattr(module, name, RMSNorm(old.normalized_shape[0], eps=old.eps, impl=rmsnorm_impl))
-    return install_forwards(model)
+    return install_forwards(model, fp8)
 
 
 def block_stacks(model: nn.Module) -> tuple[nn.ModuleList, nn.ModuleList]:

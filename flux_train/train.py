@@ -60,7 +60,7 @@ class Trainer:
             raise ConfigError("perf.cuda_graphs: FSDP2 training steps cannot be captured (per-step all-gather and "
                               "reduce-scatter buffers); graphs apply to the one-GPU path of python -m flux_train.bench")
         select_attention_backend(cfg.perf.attention)
-        self.model = build_model(cfg.model, cfg.perf.rmsnorm)
+        self.model = build_model(cfg.model, cfg.perf.rmsnorm, cfg.perf.fp8)
         self.n_params = count_params(self.model)
         try:
             wrap = block_wrapper(cfg.perf.compile)

@@ -1,0 +1,76 @@
+"""FP8 (e4m3) linear layers for training, with dynamic scaling: `linear(x, weight, bias, recipe)`.
+
+recipe "rowwise": one scale per row of each GEMM operand along its contraction dim (x per token, W per output
+channel in forward; dY per token and W per input channel for dX; dY and X per column for dW), the recipe that
+keeps Flux's outlier channels from flattening everything else. "tensorwise": one scale per tensor.
+Weights stay bf16/fp32 masters; only GEMM inputs are cast, per call. Accumulation is fp32 in the tensor cores
+(torch._scaled_mm) and outputs are bf16. On a CPU the same quantisation is emulated with a dequantised matmul,
+so the recipe's numerics can be checked anywhere. Shapes with a dimension not divisible by 16 fall back to bf16.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max
+RECIPES = ("rowwise", "tensorwise")
+
+
+def quantize(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, fp32 scale) with x ~= values * scale; amax over `dim` (None = whole tensor)."""
+    xf = x.float()
+    amax = xf.abs().amax() if dim is None else xf.abs().amax(dim=dim, keepdim=True)
+    scale = amax.clamp(min=1e-12) / E4M3_MAX
+    return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def _column_major(x: torch.Tensor) -> torch.Tensor:
+    return x.t().contiguous().t()
+
+
+def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """a [M,K] row-major, b [K,N] column-major, scales [M,1]/[1,N] (or scalars) -> bf16 a @ b."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a=a_scale.reshape(-1, 1) if a_scale.dim() else a_scale,
+                                scale_b=b_scale.reshape(1, -1) if b_scale.dim() else b_scale,
+                                out_dtype=torch.bfloat16)
+    return ((a.float() * a_scale) @ (b.float() * b_scale)).to(torch.bfloat16)
+
+
+def _dims(recipe: str, dim: int) -> int | None:
+    return dim if recipe == "rowwise" else None
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+        xq, xs = quantize(x2, _dims(recipe, 1))          # per token
+        wq, ws = quantize(weight, _dims(recipe, 1))      # per output channel
+        ctx.save_for_backward(x2, weight)
+        ctx.recipe = recipe
+        return scaled_mm(xq, xs, wq.t(), ws.t() if ws.dim() else ws)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2, weight = ctx.saved_tensors
+        recipe = ctx.recipe
+        # dX = dY @ W: dY per token (over N), W per input channel (over N)
+        dyq, dys = quantize(dy, _dims(recipe, 1))
+        wq, ws = quantize(weight, _dims(recipe, 0))
+        dx = scaled_mm(dyq, dys, _column_major(wq), ws)
+        # dW = dY^T @ X: both per column, over the tokens
+        dyq0, dys0 = quantize(dy, _dims(recipe, 0))
+        xq0, xs0 = quantize(x2, _dims(recipe, 0))
+        dw = scaled_mm(dyq0.t().contiguous(), dys0.t() if dys0.dim() else dys0, _column_major(xq0), xs0)
+        return dx, dw.to(weight.dtype), None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str = "none") -> torch.Tensor:
+    """F.linear, in FP8 when `recipe` names one and the shapes allow it."""
+    n, k = weight.shape
+    m = x.numel() // k
+    if recipe == "none" or n % 16 or k % 16 or m % 16:
+        return F.linear(x, weight, bias)
+    y = _FP8Linear.apply(x.reshape(m, k), weight.to(x.dtype), recipe).reshape(*x.shape[:-1], n)
+    return y if bias is None else y + bias.to(y.dtype)
