@@ -13,8 +13,8 @@ import torch
 from dataprep.fixture import FixtureSpec, fixture_rows, write_fixture
 from dataprep.format import encode_bf16
 from flux_train.config import DataConfig
-from flux_train.data import (DataError, EnergonTrainStream, EnergonVal, cook, decode_bf16, load_empty_encodings,
-                             val_counts)
+from flux_train.data import DataError, decode_bf16, load_empty_encodings
+from flux_train.energon_data import EnergonTrainStream, EnergonVal, cook, val_counts
 
 SPEC = FixtureSpec(train=24, val=13, text_len=4, height=2, width=2, seed=3, samples_per_shard=5)
 
@@ -93,7 +93,7 @@ RESUME = textwrap.dedent("""
     import json, sys, torch
     from pathlib import Path
     from flux_train.config import DataConfig
-    from flux_train.data import EnergonTrainStream
+    from flux_train.energon_data import EnergonTrainStream
     path, state, workers = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     d = DataConfig(num_workers=workers, shuffle_buffer_size=10, max_samples_per_sequence=5)
     s = EnergonTrainStream(path, 1, 2, 3, d, 7)

@@ -21,7 +21,8 @@ from dataprep.convert import convert
 from dataprep.fixture import FixtureSpec, fixture_rows, save_arrow, write_arrow
 from dataprep.format import DataprepError, Shape
 from dataprep.prepare import prepare
-from flux_train.data import FluxTaskEncoder, decode_bf16
+from flux_train.data import decode_bf16
+from flux_train.energon_data import FluxTaskEncoder
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = FixtureSpec(train=11, val=6, text_len=4, height=2, width=2, seed=5)
