@@ -1,7 +1,7 @@
 """`prepare`: energon metadata for the shards, through energon's own API, without prompts.
 
 Writes `.nv-meta/` (index.sqlite, .info.json, split.yaml with split parts train: train/.*, val: val/.*)
-and `dataset.yaml` = CrudeWebdataset (the data is cooked by flux_train.data.cook), as `energon prepare
+and `dataset.yaml` = CrudeWebdataset (the data is cooked by flux_train.energon_data.cook), as `energon prepare
 --split-parts 'train:train/.*' --split-parts 'val:val/.*' --sample-type CrudeWebdataset` would.
 """
 from __future__ import annotations
