@@ -208,14 +208,13 @@ def run_step(cfg: Config, args) -> list[dict]:
     cfg.logging.out_dir = args.out_dir
     cfg.perf.cuda_graphs = False  # FSDP steps are not captured (flux_train.compile)
     flops = flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)
-    rows = []
-    stock = stock_fsdp_step(cfg, args, flops)
-    rows.append(stock)
+    rows = [] if args.only_ours else [stock_fsdp_step(cfg, args, flops)]
     trainer = Trainer(cfg)
     torch.cuda.reset_peak_memory_stats()
     seconds, warm = timed(lambda: trainer.train_step(), args.steps)
     sps = cfg.train.micro_batch_size / seconds
-    rows.append({"row": "flux-train step", "world": world, "batch": cfg.train.micro_batch_size,
+    name = "flux-train step" + (f" + FP8 {cfg.perf.fp8}" if cfg.perf.fp8 != "none" else "")
+    rows.append({"row": name, "world": world, "batch": cfg.train.micro_batch_size,
                  "ms": round(seconds * 1000, 1), "samples_s_per_gpu": round(sps, 2),
                  "tflops": round(sps * flops / 1e12, 1),
                  "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "warm_s": round(warm, 1)})
