@@ -93,7 +93,7 @@ def test_run_summary_matches_the_rcp_checkers_reading(runs):
 def test_score_drops_fastest_and_slowest_of_ten(runs, tmp_path, capsys):
     rc, out = run_json(capsys, result_dir(tmp_path, runs / "run_1" / "mllog.log", MINUTES), "--out", tmp_path)
     assert rc == 0 and out["problems"] == []
-    assert [r["minutes"] for r in out["runs"]] == pytest.approx(MINUTES)  # result_0..9 in numeric order
+    assert [r["minutes"] for r in out["runs"]] == pytest.approx(MINUTES)  # one run per result_<i>.txt, in order
     assert out["score"]["minutes"] == pytest.approx(5.5)
     assert out["score"]["averaged"] == 8
     assert "NOT" not in out["score"]["note"]
@@ -187,6 +187,7 @@ def test_rcp_checker_on_debug_runs_reports_the_missing_rcp(runs, tmp_path):
     assert rcp.verdict == "failed"
     assert rcp.message == f"Missing RCP, please submit RCP with BS = {real[0].global_batch_size}"
     assert any("indicative" in n for n in rcp.notes) and any("512, 1024, 2048, 4096" in n for n in rcp.notes)
+    assert "Run incomplete or did not converge. Marking as infinite." in rcp.notes  # the checker's own warning
     assert results.check_rcp(real[:2]).verdict == "not run"
 
 
@@ -203,6 +204,10 @@ def test_rcp_checker_at_gbs_512(runs, tmp_path):
     fast = result_dir(tmp_path / "fast", log, MINUTES, gbs=512, samples_scale=5_242_880 / converged_at)
     rcp = results.check_rcp([results.summarize_run(n, f) for n, f in results.find_logs([str(fast)])])
     assert (rcp.verdict, rcp.message, rcp.scaling_factor) == ("failed", "RCP found", None)
+    # GBS 1024 is pruned from the RCPs the package checker uses: judged on the 512-2048 line, not its own point
+    pruned = result_dir(tmp_path / "pruned", log, MINUTES, gbs=1024, samples_scale=9_437_184 / converged_at)
+    rcp = results.check_rcp([results.summarize_run(n, f) for n, f in results.find_logs([str(pruned)])])
+    assert (rcp.verdict, rcp.message) == ("passed", "RCP Interpolation")
 
 
 # ---------------------------------------------------------------------------------------------- plot
