@@ -7,14 +7,17 @@ show that the trainer overfits. The same samples can instead be written as the M
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
+from dataprep.convert import COLUMNS
 from dataprep.format import CLIP_DIM, T5_DIM, Shape, encode_bf16, tar_sample, write_empty_encodings
 from dataprep.prepare import prepare
 from dataprep.shards import SplitWriter, plan_shards
@@ -40,14 +43,17 @@ class FixtureSpec:
                 f"-shard{self.samples_per_shard}")
 
 
-def fixture_rows(spec: FixtureSpec) -> dict[str, list[dict]]:
-    """{"train": [...], "val": [...]}: per sample the source key, the four parts' npy bytes, the timestep."""
-    data = synthetic_samples(spec.train, spec.text_len, spec.height, spec.width, T5_DIM, CLIP_DIM, spec.seed)
-    encoded = [{part: encode_bf16(data[part][i]) for part in PARTS} for i in range(spec.train)]
-    train = [{"key": f"train-{i}", "parts": encoded[i], "timestep": None} for i in range(spec.train)]
-    val = [{"key": f"val-{i}", "parts": encoded[i % spec.train], "timestep": i % EVAL_TIMESTEP_BINS}
-           for i in range(spec.val)]
-    return {"train": train, "val": val}
+def fixture_samples(spec: FixtureSpec, split: str) -> Iterator[dict]:
+    """Per sample (made one at a time, so any size fits in memory): the source key, the four parts' npy
+    bytes, the timestep (val only)."""
+    def parts(i: int) -> dict:
+        data = synthetic_samples(1, spec.text_len, spec.height, spec.width, T5_DIM, CLIP_DIM, spec.seed * 100_003 + i)
+        return {part: encode_bf16(data[part][0]) for part in PARTS}
+
+    if split == "train":
+        return ({"key": f"train-{i}", "parts": parts(i), "timestep": None} for i in range(spec.train))
+    return ({"key": f"val-{i}", "parts": parts(i % spec.train), "timestep": i % EVAL_TIMESTEP_BINS}
+            for i in range(spec.val))
 
 
 def empty_encodings(spec: FixtureSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,47 +61,59 @@ def empty_encodings(spec: FixtureSpec) -> tuple[torch.Tensor, torch.Tensor]:
     return empty["t5"], empty["clip"]
 
 
-def write_fixture(root: Path, spec: FixtureSpec, rows: dict | None = None) -> Path:
-    """Shards, index.txt, empty encodings and energon metadata under root (rows: fixture_rows(spec))."""
-    rows = rows or fixture_rows(spec)
+def write_fixture(root: Path, spec: FixtureSpec) -> Path:
+    """Shards, index.txt, empty encodings and energon metadata under root."""
     first_key = 0
-    for split in ("train", "val"):
+    for split, rows in (("train", spec.train), ("val", spec.val)):
         writer = SplitWriter(root, split)
-        writer.start({"input": "fixture", "rows": len(rows[split]), "first_key": first_key,
-                      "samples_per_shard": spec.samples_per_shard, "shape": str(Shape(spec.text_len, spec.height,
-                                                                                          spec.width))})
-        records = []
-        for plan in plan_shards(len(rows[split]), spec.samples_per_shard):
-            samples = (tar_sample(first_key + r, rows[split][r]["key"], rows[split][r]["parts"],
-                                  rows[split][r]["timestep"]) for r in range(plan.start, plan.end))
-            records.append(writer.write(plan, samples, []))
+        writer.start({"input": "fixture", "rows": rows, "first_key": first_key,
+                      "samples_per_shard": spec.samples_per_shard,
+                      "shape": str(Shape(spec.text_len, spec.height, spec.width))})
+        samples = enumerate(fixture_samples(spec, split))
+        records = [writer.write(plan, (tar_sample(first_key + r, s["key"], s["parts"], s["timestep"])
+                                       for r, s in itertools.islice(samples, plan.end - plan.start)), [])
+                   for plan in plan_shards(rows, spec.samples_per_shard)]
         writer.finish(records)
-        first_key += len(rows[split])
+        first_key += rows
     write_empty_encodings(root / "empty_encodings", *empty_encodings(spec))
     prepare(root, workers=1, quiet=True)
     return root
 
 
-def save_arrow(path: Path, samples: list[dict], val: bool) -> Path:
-    """Samples (as fixture_rows gives them) as an MLCommons-style save_to_disk dataset."""
+@dataclass(frozen=True)
+class FixtureSplit:
+    """One split's samples, re-iterable and picklable: datasets pickles what builds a dataset to hash it."""
+    spec: FixtureSpec
+    split: str
+
+    def __iter__(self) -> Iterator[dict]:
+        return fixture_samples(self.spec, self.split)
+
+
+def save_arrow(path: Path, samples: Iterable[dict], val: bool) -> Path:
+    """Samples (a list, or a FixtureSplit) as an MLCommons-style save_to_disk dataset, streamed."""
     from datasets import Dataset, Features, Value
 
-    columns: dict = {"__key__": [s["key"] for s in samples]}
-    features = {"__key__": Value("string")}
-    for column, part in (("t5_encodings", "t5"), ("clip_encodings", "clip"), ("mean", "mean"), ("logvar", "logvar")):
-        columns[column] = [s["parts"][part] for s in samples]
-        features[column] = Value("binary")
+    features = {"__key__": Value("string")} | {column: Value("binary") for column in COLUMNS}
     if val:
-        columns["timestep"] = [s["timestep"] for s in samples]
         features["timestep"] = Value("int64")
-    Dataset.from_dict(columns, features=Features(features)).save_to_disk(str(path))
+
+    def rows():
+        for s in samples:
+            row = {"__key__": s["key"], **{column: s["parts"][part] for column, part in COLUMNS.items()}}
+            yield row | ({"timestep": s["timestep"]} if val else {})
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as cache:
+        Dataset.from_generator(rows, features=Features(features), cache_dir=cache).save_to_disk(str(path))
     return path
 
 
 def write_arrow(root: Path, spec: FixtureSpec) -> dict[str, Path]:
     """The fixture as the input of `convert`: root/train and root/val."""
-    return {split: save_arrow(Path(root) / split, samples, split == "val")
-            for split, samples in fixture_rows(spec).items()}
+    return {split: save_arrow(Path(root) / split, FixtureSplit(spec, split), split == "val")
+            for split in ("train", "val")}
 
 
 def ensure_fixture(root: Path, train: int, val: int, text_len: int, height: int, width: int, seed: int) -> Path:

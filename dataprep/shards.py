@@ -111,10 +111,12 @@ class SplitWriter:
         try:
             with open(tmp, "wb") as f:
                 writer = wds.TarWriter(f, encoder=False, mtime=0)  # mtime 0: byte-identical reruns
-                for sample in samples:
-                    size += writer.write(sample)
-                    count += 1
-                writer.close()
+                try:
+                    for sample in samples:
+                        size += writer.write(sample)
+                        count += 1
+                finally:
+                    writer.close()
                 f.flush()
                 os.fsync(f.fileno())
             if count:

@@ -44,20 +44,25 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    # energon: the dataset of DESIGN.md §4 (written by `python -m dataprep`); synthetic: an in-memory random set
     source: Literal["synthetic", "energon"] = "synthetic"
-    # energon dataset root (the folder holding .nv-meta/, train/, val/, empty_encodings/)
+    # energon dataset root (the folder holding .nv-meta/, train/, val/, empty_encodings/); unset: a tiny fixture
+    # dataset is written to fixture_dir and used (debug runs only)
     path: Optional[str] = None
     # empty-string encodings for caption dropout; default <path>/empty_encodings
     empty_encodings: Optional[str] = None
+    # energon loader worker processes per rank; the train order (and resuming it) depends on it and the world size
     num_workers: int = 2
+    # energon: per-worker shuffle buffer in samples (0 = none); samples read in a row from one shard slice
+    # before moving to another (0 = no limit)
     shuffle_buffer_size: int = 100
     max_samples_per_sequence: int = 100
-    # synthetic source: a fixed random set honouring the batch contract
+    # sizes of the synthetic set, and of the fixture written when source=energon and path is unset
     synthetic_train_samples: int = 64
     synthetic_val_samples: int = 32
     synthetic_text_len: int = 16
     synthetic_latent_size: int = 8
-    # a tiny fixture dataset is generated here when source=energon and path is unset
+    # where that fixture goes; default <logging.out_dir>/fixture
     fixture_dir: Optional[str] = None
 
 

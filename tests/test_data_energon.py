@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataprep.fixture import FixtureSpec, fixture_rows, write_fixture
+from dataprep.fixture import FixtureSpec, fixture_samples, write_fixture
 from dataprep.format import encode_bf16
 from flux_train.config import DataConfig
 from flux_train.data import DataError, decode_bf16, load_empty_encodings
@@ -49,7 +49,7 @@ def nvidia_sample(parts, meta, json_as_dict=False):
 
 @pytest.mark.parametrize("json_as_dict", [False, True])
 def test_cooker_reads_nvidia_layout_bytes_and_json_forms(json_as_dict):
-    parts = fixture_rows(SPEC)["train"][0]["parts"]
+    parts = next(fixture_samples(SPEC, "train"))["parts"]
     cooked = cook(nvidia_sample(parts, {"key": "abc", "timestep": 5}, json_as_dict))
     assert cooked["timestep"].dtype == torch.int64 and int(cooked["timestep"]) == 5
     for part, raw in parts.items():
@@ -60,7 +60,7 @@ def test_cooker_reads_nvidia_layout_bytes_and_json_forms(json_as_dict):
 
 
 def test_cooker_names_the_missing_member_and_bad_dtype():
-    parts = dict(fixture_rows(SPEC)["train"][0]["parts"])
+    parts = dict(next(fixture_samples(SPEC, "train"))["parts"])
     del parts["mean"]
     with pytest.raises(DataError, match=r"val/shard_000000.tar: sample 00000000: missing member 00000000.mean.bytes"):
         cook(nvidia_sample(parts, {"key": "k"}))
@@ -129,7 +129,7 @@ def test_state_from_another_layout_is_refused(dataset):
 def val_sample_ids():
     """clip[0] of val sample i (val i copies train i here, all distinct) -> i."""
     return {round(float(decode_bf16(r["parts"]["clip"])[0]), 4): i
-            for i, r in enumerate(fixture_rows(SPEC)["val"])}
+            for i, r in enumerate(fixture_samples(SPEC, "val"))}
 
 
 @pytest.mark.parametrize("world,workers", [(1, 0), (2, 0), (3, 0), (3, 2)])

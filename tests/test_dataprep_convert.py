@@ -18,7 +18,7 @@ from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 
 from dataprep.__main__ import main
 from dataprep.convert import convert
-from dataprep.fixture import FixtureSpec, fixture_rows, save_arrow, write_arrow
+from dataprep.fixture import FixtureSpec, fixture_samples, save_arrow, write_arrow
 from dataprep.format import DataprepError, Shape
 from dataprep.prepare import prepare
 from flux_train.data import decode_bf16
@@ -48,7 +48,7 @@ def test_round_trip_arrow_convert_prepare_energon_is_byte_identical(tmp_path):
                "--shape", str(SHAPE), "--samples-per-shard", "4", "--workers", "2"])
     assert rc == 0
     prepare(out, workers=1)
-    rows = fixture_rows(SPEC)
+    rows = {split: list(fixture_samples(SPEC, split)) for split in ("train", "val")}
 
     # the layout: shards of 4, index.txt, members KEY.json/.t5/.clip/.mean/.logvar.bytes, keys unique across splits
     assert (out / "train" / "index.txt").read_text().split() == [f"shard_{i:06d}.tar" for i in range(3)]
@@ -116,7 +116,7 @@ def test_killed_convert_reruns_to_the_same_shards_without_partial_files(tmp_path
 
 
 def bad_input(tmp_path, mutate, val=False):
-    samples = fixture_rows(SPEC)["val" if val else "train"]
+    samples = list(fixture_samples(SPEC, "val" if val else "train"))
     mutate(samples)
     return save_arrow(tmp_path / "bad", samples, val)
 
@@ -171,7 +171,7 @@ def test_skip_bad_counts_and_lists_the_skipped_samples(tmp_path, capsys):
 
 def test_prepare_refuses_duplicate_keys_with_guidance_instead_of_exiting(tmp_path):
     """NVIDIA's writer restarts keys at 0 in val/; energon >= 7.3 calls sys.exit on that, we raise."""
-    rows = fixture_rows(SPEC)
+    rows = {split: list(fixture_samples(SPEC, split)) for split in ("train", "val")}
     out = tmp_path / "nvidia"
     for split in ("train", "val"):
         (out / split).mkdir(parents=True)

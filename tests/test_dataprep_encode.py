@@ -1,0 +1,166 @@
+"""`encode` and `empty-encodings` with tiny random-weight VAE/T5/CLIP built from configs (no downloads): the
+documented shapes and dtypes, the encoders' outputs stored bit for bit, the resize rules, bad inputs."""
+import io
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dataprep import images
+from dataprep.__main__ import main
+from dataprep.prepare import prepare
+from flux_train.data import decode_bf16
+
+WORDS = "a photo of cat dog red blue green on the".split()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Local folders as users pass them: vae/, t5/, clip/, tokenizer/ (one tiny word-level tokenizer for both)."""
+    from diffusers import AutoencoderKL
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, processors
+    from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    root = tmp_path_factory.mktemp("models")
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "<s>": 3} | {w: i + 4 for i, w in enumerate(WORDS)}
+    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                            bos_token="<s>").save_pretrained(root / "tokenizer")
+    torch.manual_seed(0)
+    T5EncoderModel(T5Config(vocab_size=len(vocab), d_model=4096, d_kv=8, d_ff=16, num_layers=1, num_heads=2,
+                            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).save_pretrained(root / "t5")
+    CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=768, intermediate_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=77, pad_token_id=0, bos_token_id=3,
+                                 eos_token_id=1)).save_pretrained(root / "clip")
+    AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=16, norm_num_groups=4,
+                  use_quant_conv=False, use_post_quant_conv=False).save_pretrained(root / "vae")
+    return root
+
+
+def image_bytes(size, fmt, seed):
+    array = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def encoder_args(models):
+    return ["--t5", str(models / "t5"), "--t5-tokenizer", str(models / "tokenizer"), "--clip", str(models / "clip"),
+            "--clip-tokenizer", str(models / "tokenizer"), "--device", "cpu"]
+
+
+def cc12m_shard(path):
+    """A webdataset shard as CC12M ships: KEY.jpg/png + KEY.txt; sample 2's image is broken, 3's caption empty."""
+    samples = [("s0", "jpg", image_bytes((300, 200), "JPEG", 0), "a red cat"),
+               ("s1", "png", image_bytes((200, 340), "PNG", 1), "a dog on the blue"),
+               ("s2", "jpg", b"not an image", "a cat"),
+               ("s3", "png", image_bytes((256, 256), "PNG", 3), "  "),
+               ("s4", "png", image_bytes((512, 300), "PNG", 4), "green dog")]
+    with tarfile.open(path, "w") as tar:
+        for key, ext, data, caption in samples:
+            for name, payload in ((f"{key}.{ext}", data), (f"{key}.txt", caption.encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    return path
+
+
+def coco_folder(root):
+    (root / "images").mkdir(parents=True)
+    rows = ["id\tfile_name\tcaption"]
+    for i, size in enumerate([(640, 480), (300, 500), (256, 256)]):
+        (root / "images" / f"COCO_{i}.jpg").write_bytes(image_bytes(size, "JPEG", 10 + i))
+        rows.append(f"{100 + i}\tCOCO_{i}.jpg\ta photo of the {WORDS[3 + i]}")
+    (root / "captions.tsv").write_text("\n".join(rows) + "\n")
+    return root / "images", root / "captions.tsv"
+
+
+def members(tar_path):
+    with tarfile.open(tar_path) as t:
+        return {m.name: t.extractfile(m).read() for m in t}
+
+
+def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it(models, tmp_path, capsys):
+    out = tmp_path / "ds"
+    shard = cc12m_shard(tmp_path / "cc12m-000.tar")
+    train = ["encode", "--split", "train", "--wds", str(shard), "--out", str(out), "--vae", str(models / "vae"),
+             *encoder_args(models), "--batch-size", "2"]
+    assert main(train) == 1  # the broken image stops it, named
+    assert "cc12m-000.tar:s2 (row 2): undecodable image" in capsys.readouterr().err
+    assert main([*train, "--skip-bad"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped inputs  2" in printed and "row 3 's3': empty caption" in printed
+
+    image_dir, tsv = coco_folder(tmp_path / "coco")
+    assert main(["encode", "--split", "val", "--images", str(image_dir), "--captions", str(tsv), "--out", str(out),
+                 "--vae", str(models / "vae"), *encoder_args(models)]) == 0
+    assert main(["empty-encodings", "--out", str(out), *encoder_args(models)]) == 0
+    prepare(out, workers=1, quiet=True)
+    capsys.readouterr()
+    assert main(["verify", str(out), "--workers", "0"]) == 0, capsys.readouterr().out  # full size 256,32,32
+
+    train_members = members(out / "train" / "shard_000000.tar")
+    assert sorted({name.split(".")[0] for name in train_members}) == ["00000000", "00000001", "00000004"]
+    val_members = members(out / "val" / "shard_000000.tar")
+    assert sorted({name.split(".")[0] for name in val_members}) == ["00000005", "00000006", "00000007"]
+    assert val_members["00000006.json"] == b'{"key": "101", "timestep": 1}'  # k = row mod 8
+
+    # val row 1 recomputed by hand: squash to 256x256, VAE posterior; T5 hidden states over 256 tokens; CLIP pooled
+    from diffusers import AutoencoderKL
+    from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+    tok = AutoTokenizer.from_pretrained(models / "tokenizer")
+    image = images.to_tensor(images.resize_squash(Image.open(image_dir / "COCO_1.jpg").convert("RGB")))[None]
+    posterior = AutoencoderKL.from_pretrained(models / "vae").encode(image).latent_dist
+    caption = ["a photo of the dog"]
+    t5_ids = tok(caption, max_length=256, padding="max_length", truncation=True, return_tensors="pt").input_ids
+    clip_ids = tok(caption, max_length=77, padding="max_length", truncation=True, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = {"mean": posterior.mean[0], "logvar": posterior.logvar[0],
+                    "t5": T5EncoderModel.from_pretrained(models / "t5")(input_ids=t5_ids).last_hidden_state[0],
+                    "clip": CLIPTextModel.from_pretrained(models / "clip")(input_ids=clip_ids).pooler_output[0]}
+    shapes = {"t5": (256, 4096), "clip": (768,), "mean": (16, 32, 32), "logvar": (16, 32, 32)}
+    for part, shape in shapes.items():
+        stored = decode_bf16(val_members[f"00000006.{part}.bytes"])
+        assert stored.dtype == torch.bfloat16 and tuple(stored.shape) == shape
+        torch.testing.assert_close(stored.float(), expected[part].float(), atol=2e-2, rtol=1e-2)
+
+    t5_empty, clip_empty = np.load(out / "empty_encodings" / "t5_empty.npy"), np.load(out / "empty_encodings" / "clip_empty.npy")
+    assert t5_empty.dtype == clip_empty.dtype == np.float16
+    assert t5_empty.shape == (1, 256, 4096) and clip_empty.shape == (1, 768)
+
+
+def stripes(size, horizontal, colors):
+    """Three equal stripes of the given colours across the longer side."""
+    image = Image.new("RGB", size)
+    w, h = size
+    for i, color in enumerate(colors):
+        box = (i * w // 3, 0, (i + 1) * w // 3, h) if horizontal else (0, i * h // 3, w, (i + 1) * h // 3)
+        image.paste(color, box)
+    return image
+
+
+@pytest.mark.parametrize("size,horizontal", [((768, 256), True), ((1536, 512), True), ((300, 900), False)])
+def test_crop_rule_keeps_the_centre_of_the_shorter_side_scaled_to_256(size, horizontal):
+    red, green, blue = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+    out = images.resize_crop(stripes(size, horizontal, [red, green, blue]))
+    assert out.size == (256, 256)
+    array = np.asarray(out).astype(int)
+    assert np.abs(array[2:-2, 2:-2] - np.array(green)).max() <= 2  # only the centre stripe survives
+
+
+def test_crop_rounds_the_longer_side_up_and_squash_ignores_aspect():
+    image = Image.new("RGB", (301, 257), (10, 20, 30))
+    assert images.resize_crop(image).size == (256, 256)
+    halves = Image.new("RGB", (512, 200), (255, 0, 0))
+    halves.paste((0, 0, 255), (256, 0, 512, 200))
+    out = np.asarray(images.resize_squash(halves)).astype(int)
+    assert out.shape == (256, 256, 3)
+    assert (out[:, :120] == [255, 0, 0]).all() and (out[:, 136:] == [0, 0, 255]).all()  # both halves stay
+    tensor = images.to_tensor(Image.new("RGB", (4, 4), (255, 0, 255)))
+    assert tensor.shape == (3, 4, 4) and tensor[0].eq(1).all() and tensor[1].eq(-1).all()
