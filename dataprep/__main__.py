@@ -40,10 +40,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _encoder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--t5", type=Path, required=True, help="local folder of the T5-v1.1-XXL encoder weights "
                    "(FLUX.1-schnell: text_encoder_2/)")
-    p.add_argument("--t5-tokenizer", type=Path, help="its tokenizer folder (default: --t5; FLUX.1-schnell: tokenizer_2/)")
+    p.add_argument("--t5-tokenizer", type=Path,
+                   help="its tokenizer folder (default: --t5; FLUX.1-schnell: tokenizer_2/)")
     p.add_argument("--clip", type=Path, required=True, help="local folder of the CLIP-L text encoder (FLUX.1-schnell: "
                    "text_encoder/)")
-    p.add_argument("--clip-tokenizer", type=Path, help="its tokenizer folder (default: --clip; FLUX.1-schnell: tokenizer/)")
+    p.add_argument("--clip-tokenizer", type=Path,
+                   help="its tokenizer folder (default: --clip; FLUX.1-schnell: tokenizer/)")
     p.add_argument("--device", default="auto", help="auto (GPU if visible), cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="encoder compute dtype (default: bfloat16 on GPU, float32 on CPU); outputs are stored as bf16")
@@ -137,7 +139,8 @@ def run(args) -> int:
         text = _text_encoders(args)
         image = ImageEncoder(args.vae, *_encoder_settings(args))
         resize = args.resize or ("crop" if args.split == "train" else "squash")
-        settings = {"input": [str(p) for p in getattr(source, "tars", [])] or [str(args.images), str(args.captions)]}
+        settings = {"input": [str(p) for p in getattr(source, "tars", [])] or [str(args.images), str(args.captions)],
+                    "models": [str(args.vae), str(args.t5), str(args.clip)]}
         encode(source, EncodeJob(args.out, args.split, args.samples_per_shard, args.batch_size, args.threads,
                                  args.skip_bad, resize), text, image, settings)
     elif args.command == "empty-encodings":
@@ -162,7 +165,7 @@ def run(args) -> int:
                            args.samples_per_shard)
         if args.arrow:
             paths = write_arrow(args.out, spec)
-            print(f"== fixture\n  wrote {paths['train']} and {paths['val']} (MLCommons HF layout)")
+            print(f"== fixture\n  wrote {' and '.join(map(str, paths.values()))} (MLCommons HF layout)")
         else:
             write_fixture(args.out, spec)
             print(f"== fixture\n  wrote {args.out} ({args.train} train, {args.val} val samples, shape {args.shape})")

@@ -211,8 +211,7 @@ def _summarize(split: Split, new: list[ShardRecord]) -> None:
         ("output", f"{split.writer.dir} ({sum(1 for r in records if r.samples)} shards, "
                    f"{sum(r.samples for r in records)} samples, keys {split.first_key}..{split.first_key + rows - 1})"),
         ("this run", f"{len(new)} shards written, {len(split.done)} already finished (skipped)"),
-        ("skipped inputs", f"{len(skipped)}" + (f" (all listed in {split.writer.skipped_list})\n" + progress.listed(
-            [f"row {r} {k!r}: {why}" for r, k, why in skipped]) if skipped else "")),
+        ("skipped inputs", progress.skipped(skipped, split.writer.skipped_list)),
     ])
 
 

@@ -20,12 +20,13 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from dataprep import images, progress
-from dataprep.encoders import ImageEncoder, TextEncoders
-from dataprep.format import DataprepError, encode_bf16, tar_sample
+from dataprep.encoders import T5_TOKENS, ImageEncoder, TextEncoders
+from dataprep.format import DataprepError, Shape, check_sample, encode_bf16, tar_sample
 from dataprep.shards import SplitWriter, plan_shards, val_first_key
 from flux_train.flow import EVAL_TIMESTEP_BINS
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+OUTPUT_SHAPE = Shape(T5_TOKENS, images.SIZE // 8, images.SIZE // 8)  # the Flux VAE downsamples 8x
 
 
 @dataclass
@@ -191,8 +192,7 @@ def encode(source, job: EncodeJob, text: TextEncoders, image: ImageEncoder, sett
                    f"{sum(r.samples for r in records)} samples, keys from {first_key})"),
         ("this run", f"{len(new)} shards written, {len(records) - len(new)} already finished (skipped)"),
         ("throughput", f"{written / max(wall, 1e-9):.1f} samples/s in {wall:.1f} s on {text.device}"),
-        ("skipped inputs", f"{len(skipped)}" + (f" (all listed in {writer.skipped_list})\n" + progress.listed(
-            [f"row {r} {k!r}: {why}" for r, k, why in skipped]) if skipped else "")),
+        ("skipped inputs", progress.skipped(skipped, writer.skipped_list)),
     ])
 
 
@@ -223,5 +223,9 @@ def _encoded(batches, text: TextEncoders, image: ImageEncoder, job: EncodeJob, f
             for i, (raw, _, _) in enumerate(good):
                 parts = {"t5": encode_bf16(t5[i]), "clip": encode_bf16(clip[i]), "mean": encode_bf16(mean[i]),
                          "logvar": encode_bf16(logvar[i])}
+                problems = check_sample(raw.key, parts, None, False, OUTPUT_SHAPE)
+                if problems:  # wrong weights (e.g. T5-base for T5-XXL) must not make a wrong dataset
+                    raise DataprepError(f"the encoders produced {'; '.join(problems)} for {raw.origin}; check that "
+                                        f"--vae/--t5/--clip are the Flux VAE, T5-v1.1-XXL and CLIP-L")
                 yield tar_sample(first_key + raw.row, raw.key, parts, raw.row % EVAL_TIMESTEP_BINS if val else None)
         bar.update(len(batch))

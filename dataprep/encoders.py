@@ -32,7 +32,7 @@ def _load(kind: str, path: Path, loader):
 
 class TextEncoders:
     def __init__(self, t5: Path, clip: Path, t5_tokenizer: Optional[Path], clip_tokenizer: Optional[Path],
-                 device: torch.device, dtype: torch.dtype, t5_tokens: int = T5_TOKENS):
+                 device: torch.device, dtype: torch.dtype):
         from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
         def model(cls):
@@ -45,7 +45,7 @@ class TextEncoders:
         self.clip = _load("clip", clip, model(CLIPTextModel))
         self.t5_tok = _load("t5-tokenizer", t5_tokenizer or t5, tokenizer)
         self.clip_tok = _load("clip-tokenizer", clip_tokenizer or clip, tokenizer)
-        self.device, self.t5_tokens = device, t5_tokens
+        self.device = device
 
     @torch.no_grad()
     def __call__(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +54,7 @@ class TextEncoders:
             return tok(captions, max_length=length, padding="max_length", truncation=True,
                        return_tensors="pt").input_ids.to(self.device)
 
-        t5 = self.t5(input_ids=ids(self.t5_tok, self.t5_tokens)).last_hidden_state
+        t5 = self.t5(input_ids=ids(self.t5_tok, T5_TOKENS)).last_hidden_state
         clip = self.clip(input_ids=ids(self.clip_tok, CLIP_TOKENS)).pooler_output
         return t5.to(torch.bfloat16).cpu(), clip.to(torch.bfloat16).cpu()
 

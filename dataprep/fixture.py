@@ -8,6 +8,7 @@ show that the trainer overfits. The same samples can instead be written as the M
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import tempfile
@@ -106,14 +107,17 @@ def save_arrow(path: Path, samples: Iterable[dict], val: bool) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as cache:
-        Dataset.from_generator(rows, features=Features(features), cache_dir=cache).save_to_disk(str(path))
+        # small writer batches: a full-size sample is 2.1 MiB
+        Dataset.from_generator(rows, features=Features(features), cache_dir=cache, writer_batch_size=32
+                               ).save_to_disk(str(path))
     return path
 
 
 def write_arrow(root: Path, spec: FixtureSpec) -> dict[str, Path]:
-    """The fixture as the input of `convert`: root/train and root/val."""
+    """The fixture as the input of `convert`: root/train and root/val (splits with samples)."""
+    sizes = {"train": spec.train, "val": spec.val}
     return {split: save_arrow(Path(root) / split, FixtureSplit(spec, split), split == "val")
-            for split in ("train", "val")}
+            for split, size in sizes.items() if size}
 
 
 def ensure_fixture(root: Path, train: int, val: int, text_len: int, height: int, width: int, seed: int) -> Path:
@@ -127,7 +131,7 @@ def ensure_fixture(root: Path, train: int, val: int, text_len: int, height: int,
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", dir=path.parent))
     try:
         write_fixture(tmp, spec)
-        (tmp / MARKER).write_text(str(asdict(spec)))
+        (tmp / MARKER).write_text(json.dumps(asdict(spec)))
         os.rename(tmp, path)
     except OSError:
         if not (path / MARKER).is_file():  # lost the race to another rank: theirs is complete

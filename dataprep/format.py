@@ -111,7 +111,8 @@ def check_timestep(value, val: bool) -> Optional[str]:
 
 def check_sample(source_key, parts: dict, timestep, val: bool, shape: Shape) -> list[str]:
     """Every problem of one input sample (empty list = good)."""
-    problems = [] if isinstance(source_key, str) and source_key else [f"key: {source_key!r}, expected a non-empty string"]
+    good_key = isinstance(source_key, str) and source_key
+    problems = [] if good_key else [f"key: {source_key!r}, expected a non-empty string"]
     problems += [p for p in (check_part(part, parts.get(part), shape) for part in PARTS) if p]
     problem = check_timestep(timestep, val)
     return problems + ([problem] if problem else [])

@@ -32,3 +32,10 @@ def listed(items: list, limit: int = 20) -> str:
     shown = "\n".join(f"    {item}" for item in items[:limit])
     more = f"\n    ... and {len(items) - limit} more" if len(items) > limit else ""
     return shown + more
+
+
+def skipped(rows: list, full_list) -> str:
+    """Summary value for skipped inputs ([row, key, reason] each): the count, then the first ones."""
+    if not rows:
+        return "0"
+    return f"{len(rows)} (all listed in {full_list})\n" + listed([f"row {r} {k!r}: {why}" for r, k, why in rows])

@@ -83,9 +83,9 @@ class SplitWriter:
             before = json.loads(saved.read_text())
             changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
             if changed:
-                raise DataprepError(
-                    f"{self.dir} was started with other settings ({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changed.items())}); "
-                    f"rerun with the original settings to finish it, or delete {self.dir} and {self.book}")
+                what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+                raise DataprepError(f"{self.dir} was started with other settings ({what}); rerun with the original "
+                                    f"settings to finish it, or delete {self.dir} and {self.book}")
         else:
             _write_json_atomic(saved, settings)
         for stale in list(self.dir.glob("*" + PARTIAL)) + list(self.book.glob("*" + PARTIAL)):
@@ -109,7 +109,7 @@ class SplitWriter:
         tmp = final.with_name(final.name + PARTIAL)
         count = size = 0
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb", buffering=1 << 22) as f:  # tar writes 10 KiB records: batch them
                 writer = wds.TarWriter(f, encoder=False, mtime=0)  # mtime 0: byte-identical reruns
                 try:
                     for sample in samples:

@@ -1,4 +1,5 @@
-"""Data for the trainer: the batch contract, the energon loaders, the synthetic source.
+"""Data for the trainer: the batch contract, the on-disk format, the synthetic source (flux_train/energon_data.py
+reads the real dataset through energon).
 
 Batch contract (DESIGN.md §4), per micro-batch: t5 [B,L,4096] bf16, clip [B,768] bf16, mean/logvar
 [B,16,H,W] bf16; val batches add timestep [B] int64 and valid [B] bool (False marks padding, so every

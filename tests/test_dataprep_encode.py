@@ -130,7 +130,7 @@ def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it
         assert stored.dtype == torch.bfloat16 and tuple(stored.shape) == shape
         torch.testing.assert_close(stored.float(), expected[part].float(), atol=2e-2, rtol=1e-2)
 
-    t5_empty, clip_empty = np.load(out / "empty_encodings" / "t5_empty.npy"), np.load(out / "empty_encodings" / "clip_empty.npy")
+    t5_empty, clip_empty = (np.load(out / "empty_encodings" / name) for name in ("t5_empty.npy", "clip_empty.npy"))
     assert t5_empty.dtype == clip_empty.dtype == np.float16
     assert t5_empty.shape == (1, 256, 4096) and clip_empty.shape == (1, 768)
 
@@ -164,3 +164,18 @@ def test_crop_rounds_the_longer_side_up_and_squash_ignores_aspect():
     assert (out[:, :120] == [255, 0, 0]).all() and (out[:, 136:] == [0, 0, 255]).all()  # both halves stay
     tensor = images.to_tensor(Image.new("RGB", (4, 4), (255, 0, 255)))
     assert tensor.shape == (3, 4, 4) and tensor[0].eq(1).all() and tensor[1].eq(-1).all()
+
+
+def test_wrong_encoder_weights_stop_before_a_wrong_dataset(models, tmp_path, capsys):
+    from transformers import T5Config, T5EncoderModel
+
+    T5EncoderModel(T5Config(vocab_size=16, d_model=64, d_kv=8, d_ff=16, num_layers=1, num_heads=2,
+                            decoder_start_token_id=0)).save_pretrained(tmp_path / "t5-base-like")
+    image_dir, tsv = coco_folder(tmp_path / "coco")
+    args = encoder_args(models)
+    args[args.index("--t5") + 1] = str(tmp_path / "t5-base-like")
+    rc = main(["encode", "--split", "train", "--images", str(image_dir), "--captions", str(tsv),
+               "--out", str(tmp_path / "ds"), "--vae", str(models / "vae"), *args])
+    assert rc == 1
+    assert "the encoders produced t5: shape [256, 64], expected [256, 4096]" in capsys.readouterr().err
+    assert not list((tmp_path / "ds" / "train").glob("*.tar*"))
