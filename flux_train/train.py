@@ -59,6 +59,9 @@ class Trainer:
         if cfg.perf.cuda_graphs:
             raise ConfigError("perf.cuda_graphs: FSDP2 training steps cannot be captured (per-step all-gather and "
                               "reduce-scatter buffers); graphs apply to the one-GPU path of python -m flux_train.bench")
+        if self.device.type == "cuda" and cfg.perf.attention == "flash" and self.dtype == torch.float32:
+            raise ConfigError("perf.attention=flash needs train.compute_dtype=bfloat16 (flash SDPA has no fp32 "
+                              "kernel); set perf.attention=auto for fp32 runs")
         select_attention_backend(cfg.perf.attention)
         self.model = build_model(cfg.model, cfg.perf.rmsnorm, cfg.perf.fp8)
         self.n_params = count_params(self.model)
