@@ -78,16 +78,21 @@ def timed(step, steps: int, warmup: int = 3) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------------------ one GPU, fwd + bwd
 
-def stock_model(cfg: Config, regional: bool):
+def stock_flux(cfg: Config, device: str):
+    """Stock diffusers FluxTransformer2DModel with the config's dimensions (its own forwards and init)."""
     from diffusers import FluxTransformer2DModel
 
     m = cfg.model
-    with torch.device("cuda"):
-        model = FluxTransformer2DModel(
+    with torch.device(device):
+        return FluxTransformer2DModel(
             patch_size=1, in_channels=m.in_channels, num_layers=m.num_layers, num_single_layers=m.num_single_layers,
             attention_head_dim=m.attention_head_dim, num_attention_heads=m.num_attention_heads,
             joint_attention_dim=m.joint_attention_dim, pooled_projection_dim=m.pooled_projection_dim,
-            guidance_embeds=False, axes_dims_rope=tuple(m.axes_dims_rope)).to(torch.bfloat16)
+            guidance_embeds=False, axes_dims_rope=tuple(m.axes_dims_rope))
+
+
+def stock_model(cfg: Config, regional: bool):
+    model = stock_flux(cfg, "cuda").to(torch.bfloat16)
     if regional:
         model.compile_repeated_blocks(fullgraph=True)
     return lambda **kw: model(**kw, return_dict=False)[0], model
@@ -224,19 +229,12 @@ def run_step(cfg: Config, args) -> list[dict]:
 
 
 def stock_fsdp_step(cfg: Config, args, flops: float) -> dict:
-    from diffusers import FluxTransformer2DModel
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():
         dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    m = cfg.model
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(
-            patch_size=1, in_channels=m.in_channels, num_layers=m.num_layers, num_single_layers=m.num_single_layers,
-            attention_head_dim=m.attention_head_dim, num_attention_heads=m.num_attention_heads,
-            joint_attention_dim=m.joint_attention_dim, pooled_projection_dim=m.pooled_projection_dim,
-            guidance_embeds=False, axes_dims_rope=tuple(m.axes_dims_rope))
+    model = stock_flux(cfg, "meta")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for stack in (model.transformer_blocks, model.single_transformer_blocks):
         for i, block in enumerate(stack):
