@@ -1,5 +1,6 @@
 """The energon side of flux_train.data on real datasets written by dataprep: the cooker, the train stream's
 order and exact resume, the val pass's exact coverage on any number of ranks, the empty encodings."""
+import io
 import json
 import subprocess
 import sys
@@ -64,10 +65,11 @@ def test_cooker_names_the_missing_member_and_bad_dtype():
     del parts["mean"]
     with pytest.raises(DataError, match=r"val/shard_000000.tar: sample 00000000: missing member 00000000.mean.bytes"):
         cook(nvidia_sample(parts, {"key": "k"}))
-    with pytest.raises(ValueError, match="dtype float32, expected uint16"):
-        buf = __import__("io").BytesIO()
-        np.save(buf, np.zeros(3, np.float32))
-        decode_bf16(buf.getvalue())
+    buf = io.BytesIO()
+    np.save(buf, np.zeros(3, np.float32))
+    parts["mean"] = buf.getvalue()
+    with pytest.raises(DataError, match="sample 00000000: mean.bytes: dtype float32, expected uint16"):
+        cook(nvidia_sample(parts, {"key": "k"}))
 
 
 # ------------------------------------------------------------------ train stream
@@ -153,6 +155,13 @@ def test_val_covers_every_sample_once_with_equal_batches_per_rank(dataset, world
     once = [i for mine in counted[::2] for i in mine]
     assert sorted(once) == list(range(SPEC.val))  # every val sample exactly once per pass
     assert counted[::2] == counted[1::2]
+
+
+def test_val_rank_without_samples_runs_the_same_padded_batches(tmp_path):
+    small = write_fixture(tmp_path / "small", FixtureSpec(train=4, val=2, text_len=2, height=2, width=2))
+    passes = [list(EnergonVal(small, rank, 3, batch=4, num_workers=0)()) for rank in range(3)]
+    assert [len(p) for p in passes] == [1, 1, 1]
+    assert [int(p[0]["valid"].sum()) for p in passes] == [1, 1, 0]
 
 
 def test_val_counts_for_the_coco_size():

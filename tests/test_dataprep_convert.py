@@ -1,6 +1,7 @@
 """`convert` + `prepare` on real HF-arrow inputs: byte-identical round trip in the DESIGN.md §4 layout, crash and
 rerun, and bad input (hard stop naming file and row, or --skip-bad counted and listed)."""
 import hashlib
+import io
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 from dataprep.__main__ import main
 from dataprep.convert import convert
 from dataprep.fixture import FixtureSpec, fixture_samples, save_arrow, write_arrow
-from dataprep.format import DataprepError, Shape
+from dataprep.format import DataprepError, Shape, encode_bf16
 from dataprep.prepare import prepare
 from flux_train.data import decode_bf16
 from flux_train.energon_data import FluxTaskEncoder
@@ -122,7 +123,7 @@ def bad_input(tmp_path, mutate, val=False):
 
 
 def wrong_shape(samples):
-    buf = __import__("io").BytesIO()
+    buf = io.BytesIO()
     np.save(buf, np.zeros((5, 4096), np.uint16))
     samples[7]["parts"]["t5"] = buf.getvalue()
 
@@ -169,18 +170,33 @@ def test_skip_bad_counts_and_lists_the_skipped_samples(tmp_path, capsys):
     assert keys == [f"{i:08d}" for i in range(SPEC.train) if i not in (7, 9)]
 
 
-def test_prepare_refuses_duplicate_keys_with_guidance_instead_of_exiting(tmp_path):
-    """NVIDIA's writer restarts keys at 0 in val/; energon >= 7.3 calls sys.exit on that, we raise."""
+def nvidia_layout(out, val_first_key):
+    """Shards as NVIDIA's to_webdataset.py writes them (tarfile defaults, json first, its json bytes)."""
     rows = {split: list(fixture_samples(SPEC, split)) for split in ("train", "val")}
-    out = tmp_path / "nvidia"
-    for split in ("train", "val"):
+    for split, first in (("train", 0), ("val", val_first_key)):
         (out / split).mkdir(parents=True)
-        with tarfile.open(out / split / "shard_000000.tar", "w") as tar:  # as their to_webdataset.py writes
+        with tarfile.open(out / split / "shard_000000.tar", "w") as tar:
             for i, row in enumerate(rows[split]):
-                for ext, data in [("json", json.dumps({"key": row["key"]}).encode())] + \
+                meta = {"key": row["key"]} | ({"timestep": row["timestep"]} if split == "val" else {})
+                for ext, data in [("json", json.dumps(meta).encode())] + \
                         [(f"{p}.bytes", row["parts"][p]) for p in ("t5", "clip", "mean", "logvar")]:
-                    info = tarfile.TarInfo(f"{i:08d}.{ext}")
+                    info = tarfile.TarInfo(f"{first + i:08d}.{ext}")
                     info.size = len(data)
-                    tar.addfile(info, __import__("io").BytesIO(data))
+                    tar.addfile(info, io.BytesIO(data))
+    return rows
+
+
+def test_prepare_refuses_nvidia_duplicate_keys_with_guidance_and_reads_their_tars(tmp_path):
+    """NVIDIA's writer restarts keys at 0 in val/: energon >= 7.3 calls sys.exit on that, we raise. With unique
+    keys, their tar layout prepares and loads like ours."""
+    nvidia_layout(tmp_path / "restarting", val_first_key=0)
     with pytest.raises(DataprepError, match="sample keys repeat across shards.*restarts keys at 00000000 in val"):
-        prepare(out, workers=1, quiet=True)
+        prepare(tmp_path / "restarting", workers=1, quiet=True)
+    rows = nvidia_layout(tmp_path / "unique", val_first_key=SPEC.train)
+    prepare(tmp_path / "unique", workers=1, quiet=True)
+    for split in ("train", "val"):
+        samples = energon_samples(tmp_path / "unique", split)
+        assert len(samples) == len(rows[split])
+        for sample, row in zip(samples, rows[split]):
+            assert encode_bf16(sample["t5"]) == row["parts"]["t5"]
+            assert int(sample.get("timestep", -1)) == (row["timestep"] if split == "val" else -1)
