@@ -76,7 +76,7 @@ def save(root: Path, step: int, model, optimizer, loader_state: dict, progress: 
 
 def load(path: Path, model, optimizer) -> tuple[dict, dict]:
     """Collective: restores model and optimizer in place; returns (progress, this rank's loader state)."""
-    progress = torch.load(path / "progress.pt", weights_only=False)
+    progress = torch.load(path / "progress.pt", weights_only=True)
     world = dist.get_world_size()
     if progress["world_size"] != world:
         raise RuntimeError(f"checkpoint {path} was written by {progress['world_size']} ranks, this run has {world}; "
@@ -85,7 +85,7 @@ def load(path: Path, model, optimizer) -> tuple[dict, dict]:
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    loader = torch.load(path / f"loader_rank{dist.get_rank()}.pt", weights_only=False)
+    loader = torch.load(path / f"loader_rank{dist.get_rank()}.pt", weights_only=True)
     return progress, loader
 
 

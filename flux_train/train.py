@@ -19,7 +19,7 @@ import yaml
 from flux_train import checkpoint, flow
 from flux_train.compile import block_wrapper, select_attention_backend
 from flux_train.config import Config, ConfigError, eval_interval_steps, load_config, validate
-from flux_train.data import build_data
+from flux_train.data import DataError, build_data
 from flux_train.evaluate import evaluate
 from flux_train.metrics import Metrics
 from flux_train.mllog import C, MLLogger
@@ -253,6 +253,9 @@ def main(argv=None) -> int:
         status = Trainer(cfg).run()
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except DataError as exc:
+        print(f"data error: {exc}", file=sys.stderr)
         return 2
     finally:
         shutdown()
