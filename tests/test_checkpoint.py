@@ -121,3 +121,12 @@ def test_export_loads_with_diffusers_from_pretrained(tmp_path):
     for name, tensor in state["model"].items():
         assert torch.equal(exported[name], tensor), name
     assert not torch.all(exported["proj_out.weight"] == 0)  # trained away from its zero init
+
+
+def test_warm_up_before_run_start_leaves_training_unchanged(tmp_path):
+    """perf.warmup_iters runs real steps (compile happens there) but restores weights and optimizer state."""
+    run(tmp_path / "cold", "--set", "train.max_steps=4")
+    run(tmp_path / "warm", "--set", "train.max_steps=4", "--set", "perf.warmup_iters=2")
+    cold, warm = losses(tmp_path / "cold"), losses(tmp_path / "warm")
+    assert sorted(warm) == [1, 2, 3, 4]
+    assert all(warm[s] == pytest.approx(cold[s], rel=1e-6, abs=1e-7) for s in cold)
