@@ -114,8 +114,10 @@ class PerfConfig:
     rmsnorm: Literal["auto", "triton", "torch"] = "auto"
     attention: Literal["flash", "efficient", "cudnn", "math", "auto"] = "flash"
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"
-    # training steps run on synthetic batches before run_start (compile, graphs), weights restored after
+    # training steps run on synthetic batches before run_start (compile, graphs), weights restored after;
+    # their latent side should match the data's (32 for 256x256 images) so compile does not run again
     warmup_iters: int = 0
+    warmup_latent_size: int = 32
 
 
 @dataclass
@@ -372,6 +374,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     need(sum(m.axes_dims_rope) == m.attention_head_dim,
          f"model.axes_dims_rope: must sum to attention_head_dim {m.attention_head_dim}, got {m.axes_dims_rope}")
     need(m.in_channels % 4 == 0, f"model.in_channels: must be 4 x latent channels (2x2 patches), got {m.in_channels}")
+    need(cfg.perf.warmup_latent_size > 0 and cfg.perf.warmup_latent_size % 2 == 0,
+         f"perf.warmup_latent_size: must be a positive even number (2x2 patches), got {cfg.perf.warmup_latent_size}")
     need(cfg.eval.every_samples > 0, f"eval.every_samples: must be > 0, got {cfg.eval.every_samples}")
     need(cfg.eval.every_steps >= 0, f"eval.every_steps: must be >= 0, got {cfg.eval.every_steps}")
     need(cfg.eval.batch_size > 0, f"eval.batch_size: must be > 0, got {cfg.eval.batch_size}")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 import pickle
 from pathlib import Path
-from typing import Iterator
+from functools import partial
+from typing import Callable, Iterator
 
 import torch
 from megatron.energon import (Cooker, CrudeSample, DefaultTaskEncoder, WorkerConfig, basic_sample_keys,
@@ -112,10 +113,10 @@ class EnergonVal:
     exactly once, and every rank yields the same number of batches (FSDP all-gathers in every forward):
     short batches are padded with copies of a real val sample marked valid=False."""
 
-    def __init__(self, path: Path, rank: int, world: int, batch: int, num_workers: int):
+    def __init__(self, path: Path, rank: int, world: int, batch: int, num_workers: int,
+                 check_sample: Callable[[dict], None] = lambda sample: None):
         self.path, self.rank, self.world, self.num_workers, self.batch = path, rank, world, num_workers, batch
-        whole = self._dataset(0, 1, 0)
-        self.size = len(whole)
+        self.size = len(self._dataset(0, 1, 0))  # from the index: no sample is read here
         if self.size == 0:
             raise DataError(f"{path}: the val split is empty")
         counts = val_counts(self.size, world, num_workers)
@@ -125,11 +126,19 @@ class EnergonVal:
                                f"{counts[rank]}: energon's split changed, update val_counts")
         self.mine = counts[rank]
         self.num_batches = math.ceil(max(counts) / batch)
-        self.template = self._checked(next(iter(get_loader(whole))))
+        self._template = None  # read at the first pass: nothing reads a sample before run_start
+        self._check_sample = check_sample
 
     def _dataset(self, rank: int, world: int, workers: int):
         return get_val_dataset(self.path, split_part="val", worker_config=_worker_config(rank, world, workers, 0),
                                batch_size=None, task_encoder=FluxTaskEncoder())
+
+    def template(self) -> dict:
+        """The split's first sample: the padding of short batches, and the sample the dims are checked on."""
+        if self._template is None:
+            self._template = self._checked(next(iter(get_loader(self._dataset(0, 1, 0)))))
+            self._check_sample(self._template)
+        return self._template
 
     @staticmethod
     def _checked(sample: dict) -> dict:
@@ -138,12 +147,13 @@ class EnergonVal:
         return sample
 
     def _collate(self, real: list[dict]) -> dict:
-        out = collate(real + [self.template] * (self.batch - len(real)), PARTS + ("timestep",))
+        out = collate(real + [self.template()] * (self.batch - len(real)), PARTS + ("timestep",))
         out["valid"] = torch.arange(self.batch) < len(real)
         return out
 
     def __call__(self) -> Iterator[dict]:
         # a fresh dataset and loader per pass: energon resumes a re-iterated one where an abandoned pass stopped
+        self.template()  # the dims check runs before the first forward
         pending, batches, seen = [], 0, 0
         for sample in get_loader(self._dataset(self.rank, self.world, self.num_workers)):
             pending.append(self._checked(sample))
@@ -193,10 +203,11 @@ def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
     if not (path / ".nv-meta" / "dataset.yaml").is_file():
         raise DataError(f"{path}: not a prepared energon dataset (no .nv-meta/dataset.yaml); run "
                         f"`python -m dataprep prepare {path}`")
-    val = EnergonVal(path, rank, world, cfg.eval.batch_size, d.num_workers)
     empty_dir = Path(d.empty_encodings) if d.empty_encodings else path / "empty_encodings"
     empty_t5, empty_clip = load_empty_encodings(empty_dir)
-    _check_dims(val.template, empty_t5, empty_clip, cfg.model, empty_dir)
+    val = EnergonVal(path, rank, world, cfg.eval.batch_size, d.num_workers,
+                     check_sample=partial(_check_dims, empty_t5=empty_t5, empty_clip=empty_clip, m=cfg.model,
+                                          empty_dir=empty_dir))
     train = EnergonTrainStream(path, rank, world, cfg.train.micro_batch_size, d, cfg.train.seed)
     return DataSource(train, val, empty_t5, empty_clip, val.size)
 

@@ -23,10 +23,9 @@ def peak_tflops(device: torch.device) -> float | None:
 class Metrics:
     """Accumulates step timings between log lines; rank 0 prints and writes JSONL/TensorBoard."""
 
-    def __init__(self, out_dir: Path, device: torch.device, flops_per_sample: float, world_size: int,
-                 max_steps: int, enabled: bool, progress_bar: bool, tensorboard: bool, append: bool = False,
+    def __init__(self, out_dir: Path, device: torch.device, world_size: int, max_steps: int, enabled: bool, progress_bar: bool, tensorboard: bool, append: bool = False,
                  start_step: int = 0):
-        self.device, self.flops_per_sample, self.world = device, flops_per_sample, world_size
+        self.device, self.world = device, world_size
         self.enabled = enabled
         self.peak = peak_tflops(device)
         self._t0 = time.perf_counter()
@@ -58,11 +57,11 @@ class Metrics:
     def reset_window(self) -> None:
         self._t0, self._samples, self._data_wait = time.perf_counter(), 0, 0.0
 
-    def log(self, step: int, **scalars: float) -> dict:
+    def log(self, step: int, flops_per_sample: float, **scalars: float) -> dict:
         """Close the timing window, print the metrics line; scalars are already-synced floats."""
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
         sps = self._samples / elapsed
-        tflops = sps * self.flops_per_sample / 1e12 / self.world
+        tflops = sps * flops_per_sample / 1e12 / self.world
         row = {"step": step, **scalars, "samples_per_s": sps, "samples_per_s_per_gpu": sps / self.world,
                "tflops_per_gpu": tflops, "data_wait_pct": 100.0 * self._data_wait / elapsed}
         if self.peak:

@@ -78,6 +78,7 @@ class Trainer:
         self.step = 0
         self.eval_count = 0
         self.stop_requested = False
+        self.flops_per_sample: float | None = None
         if self.resume_from is not None:
             progress, loader_state = checkpoint.load(self.resume_from, self.model, self.optimizer)
             self.step, self.eval_count = progress["step"], progress["eval_count"]
@@ -106,6 +107,9 @@ class Trainer:
                                                              self.empty_clip, t.caption_dropout_prob, drop_gen)
         timesteps = torch.rand(batch["t5"].shape[0], device=self.device, generator=gen)
         inputs, target = flow.build_inputs(batch, timesteps, gen, t.latent_shift, t.latent_scale, self.dtype)
+        if self.flops_per_sample is None:  # from the data's shapes, known at the first batch
+            self.flops_per_sample = flops_per_sample(self.cfg.model, inputs.encoder_hidden_states.shape[1],
+                                                     inputs.hidden_states.shape[1])
         pred = self.model(**inputs.as_kwargs())
         return flow.mse_loss(pred, target)
 
@@ -130,18 +134,22 @@ class Trainer:
         return loss_sum, grad_norm, data_wait
 
     def warm_up(self, iters: int) -> None:
-        """Compile and tune before run_start on a copy of one val batch (no training data is touched): steps
-        with lr 0 leave the weights as they are, then the optimizer state and grads are reset."""
+        """Compile and tune before run_start on synthetic tensors (the rules start the clock before any data is
+        read): steps with lr 0 leave the weights as they are, then the optimizer state and grads are reset.
+        Text length comes from the empty encodings, the latent side from perf.warmup_latent_size."""
         if iters <= 0:
             return
-        probe = next(iter(self.data.val()))
-        batch = {k: probe[k][:self.cfg.train.micro_batch_size] for k in ("t5", "clip", "mean", "logvar")}
+        b, side = self.cfg.train.micro_batch_size, self.cfg.perf.warmup_latent_size
+        batch = {"t5": self.data.empty_t5.expand(b, -1, -1).clone(), "clip": self.data.empty_clip.expand(b, -1).clone(),
+                 "mean": torch.zeros(b, 16, side, side, dtype=torch.bfloat16),
+                 "logvar": torch.full((b, 16, side, side), -4.0, dtype=torch.bfloat16)}
         set_lr(self.optimizer, 0.0)
         for _ in range(iters):
             self._micro_batch(batch, 0).backward()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.optimizer.state.clear()  # AdamW re-creates zero moments and step 0 at the first real step
+        self.flops_per_sample = None  # measured again on the first real batch
 
     # ------------------------------------------------------------------ eval and the loop
 
@@ -174,8 +182,8 @@ class Trainer:
     def run(self) -> str:
         cfg, t = self.cfg, self.cfg.train
         interval = eval_interval_steps(cfg)
-        metrics = Metrics(self.out_dir, self.device, flops_per_sample(cfg.model, *self._token_counts()),
-                          self.dist.world_size, t.max_steps, self.dist.is_main, cfg.logging.progress_bar,
+        metrics = Metrics(self.out_dir, self.device, self.dist.world_size, t.max_steps, self.dist.is_main,
+                          cfg.logging.progress_bar,
                           cfg.logging.tensorboard, append=self.resume_from is not None, start_step=self.step)
         if self.dist.is_main:
             print(f"flux-train: {cfg.model.flavor} {self.n_params / 1e9:.3f} B params, world {self.dist.world_size}, "
@@ -198,8 +206,8 @@ class Trainer:
             metrics.add_step(t.global_batch_size, wait)
             if self.step % cfg.logging.log_every == 0:
                 mean_loss = all_reduce_sum(window_loss.clone()).item() / (window_steps * self.dist.world_size)
-                metrics.log(self.step, loss=mean_loss, lr=lr_at(self.step - 1, t.lr, t.warmup_steps),
-                            grad_norm=float(grad_norm))
+                metrics.log(self.step, self.flops_per_sample, loss=mean_loss,
+                            lr=lr_at(self.step - 1, t.lr, t.warmup_steps), grad_norm=float(grad_norm))
                 window_loss.zero_()
                 window_steps = 0
                 if self._stop_agreed():
@@ -227,11 +235,6 @@ class Trainer:
         if self.dist.is_main:
             print(f"flux-train: finished at step {self.step}, status {status}", flush=True)
         return status
-
-    def _token_counts(self) -> tuple[int, int]:
-        probe = next(iter(self.data.val()))
-        _, _, h, w = probe["mean"].shape
-        return probe["t5"].shape[1], (h // 2) * (w // 2)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
