@@ -75,7 +75,7 @@ def test_step_cap_ends_aborted(tmp_path):
     assert len([e for e in events if e["key"] == "eval_accuracy"]) == 2
 
 
-def test_config_error_exits_2_with_message(tmp_path, capsys):
+def test_bad_config_exits_2_with_one_message(tmp_path, capsys):
     rc = main(["--config", "configs/debug.yaml", "--set", "train.micro_batch_size=3"])
     assert rc == 2
     assert "train.global_batch_size 8 is not divisible by train.micro_batch_size 3" in capsys.readouterr().err
