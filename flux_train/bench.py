@@ -28,7 +28,7 @@ import torch.distributed as dist
 from flux_train import flow
 from flux_train.compile import GraphedStep, compile_unsharded, select_attention_backend
 from flux_train.config import Config, load_config
-from flux_train.model import build_model, flops_per_sample, init_weights
+from flux_train.model import block_stacks, build_model, flops_per_sample, init_weights
 
 
 def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
@@ -236,7 +236,7 @@ def stock_fsdp_step(cfg: Config, args, flops: float) -> dict:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     model = stock_flux(cfg, "meta")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for stack in (model.transformer_blocks, model.single_transformer_blocks):
+    for stack in block_stacks(model):
         for i, block in enumerate(stack):
             stack[i] = torch.compile(block, fullgraph=True)
             fully_shard(stack[i], mp_policy=mp)

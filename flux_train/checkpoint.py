@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -87,15 +86,6 @@ def load(path: Path, model, optimizer) -> tuple[dict, dict]:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loader = torch.load(path / f"loader_rank{dist.get_rank()}.pt", weights_only=True)
     return progress, loader
-
-
-def export_diffusers(model, out: Path) -> None:
-    """Collective: gathers full weights to rank 0, which writes a folder FluxTransformer2DModel.from_pretrained
-    loads (config.json + safetensors)."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        _write_diffusers(model.config, full, out)
-    dist.barrier()
 
 
 def _write_diffusers(config, state_dict: dict, out: Path) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from flux_train.layers import run_stack
+from flux_train.model import block_stacks
 
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 
@@ -44,7 +45,7 @@ def block_wrapper(mode: str) -> Callable[[nn.Module], nn.Module] | None:
 def compile_unsharded(model: nn.Module, mode: str) -> nn.Module:
     """Regional compile of a model that FSDP does not wrap (one-GPU forward/backward benchmarks)."""
     if mode == "block":
-        for stack in (model.transformer_blocks, model.single_transformer_blocks):
+        for stack in block_stacks(model):
             for i, block in enumerate(stack):
                 stack[i] = torch.compile(block, fullgraph=True)
     elif mode == "stack":

@@ -400,6 +400,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return validate(_build(Config, tree, ""))
 
 
+def accumulation_steps(cfg: Config, world_size: int) -> int:
+    """Micro-batches per rank per optimizer step (validate() checks the division is exact)."""
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * world_size)
+
+
 def eval_interval_steps(cfg: Config) -> int:
     """Steps between evaluations: ceil(262144 / GBS) unless a debug cadence is set."""
     if cfg.eval.every_steps:

@@ -20,9 +20,8 @@ def _reshard(model: nn.Module) -> None:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, *, device: torch.device, dtype: torch.dtype, seed: int, eval_index: int,
-             rank: int, shift: float, scale: float, forward=None) -> tuple[float, int]:
+             rank: int, shift: float, scale: float) -> tuple[float, int]:
     """Returns (val loss, number of samples counted over all ranks)."""
-    forward = forward or model
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, count]
@@ -31,7 +30,7 @@ def evaluate(model: nn.Module, batches, *, device: torch.device, dtype: torch.dt
         gen = flow.seeded_generator(device, seed, eval_index, rank * 1_000_000 + i, flow.STREAM_EVAL)
         t = flow.eval_timesteps(batch["timestep"])
         inputs, target = flow.build_inputs(batch, t, gen, shift, scale, dtype)
-        pred = forward(**inputs.as_kwargs())
+        pred = model(**inputs.as_kwargs())
         valid = batch["valid"].to(torch.float64)
         total[0] += (flow.per_sample_mse(pred, target).double() * valid).sum()
         total[1] += valid.sum()

@@ -6,7 +6,7 @@ from pathlib import Path
 from mlperf_logging import mllog
 from mlperf_logging.mllog import constants as C
 
-from flux_train.config import EVAL_SAMPLES, TRAIN_SAMPLES, Config
+from flux_train.config import EVAL_SAMPLES, TRAIN_SAMPLES, Config, accumulation_steps
 
 EVALUATION_FREQUENCY = "evaluation_frequency"  # no constant in mlperf_logging; the reference logs the literal
 
@@ -40,28 +40,18 @@ class MLLogger:
     def run_parameters(self, cfg: Config, world_size: int) -> None:
         """Everything the checker wants before run_start, with init_start last."""
         t, lg = cfg.train, cfg.logging
-        accumulation = t.global_batch_size // (t.micro_batch_size * world_size)
-        self.event(C.CACHE_CLEAR, True)
-        self.event(C.SUBMISSION_BENCHMARK, C.FLUX1)
-        self.event(C.SUBMISSION_DIVISION, lg.submission_division)
-        self.event(C.SUBMISSION_ORG, lg.submission_org)
-        self.event(C.SUBMISSION_PLATFORM, lg.submission_platform)
-        self.event(C.SUBMISSION_POC_NAME, lg.submission_poc_name)
-        self.event(C.SUBMISSION_POC_EMAIL, lg.submission_poc_email)
-        self.event(C.SUBMISSION_STATUS, lg.submission_status)
-        self.event(C.TRAIN_SAMPLES, TRAIN_SAMPLES)
-        self.event(C.EVAL_SAMPLES, EVAL_SAMPLES)
-        self.event(C.SEED, t.seed)
-        self.event(C.GLOBAL_BATCH_SIZE, t.global_batch_size)
-        self.event("micro_batch_size", t.micro_batch_size)
-        self.event(C.OPT_NAME, "adamw")
-        self.event(C.OPT_BASE_LR, t.lr)
-        self.event(C.OPT_LR_WARMUP_STEPS, t.warmup_steps)
-        self.event(C.OPT_ADAMW_BETA_1, t.adam_beta1)
-        self.event(C.OPT_ADAMW_BETA_2, t.adam_beta2)
-        self.event(C.OPT_ADAMW_EPSILON, t.adam_eps)
-        self.event(C.OPT_ADAMW_WEIGHT_DECAY, t.weight_decay)
-        self.event(C.OPT_GRADIENT_CLIP_NORM, t.grad_clip_norm)
-        self.event(C.GRADIENT_ACCUMULATION_STEPS, accumulation)
-        # the rule's sample cadence (262144); a debug run's eval.every_steps does not change what is logged
-        self.event(EVALUATION_FREQUENCY, cfg.eval.every_samples)
+        for key, value in (
+                (C.CACHE_CLEAR, True), (C.SUBMISSION_BENCHMARK, C.FLUX1),
+                (C.SUBMISSION_DIVISION, lg.submission_division), (C.SUBMISSION_ORG, lg.submission_org),
+                (C.SUBMISSION_PLATFORM, lg.submission_platform), (C.SUBMISSION_POC_NAME, lg.submission_poc_name),
+                (C.SUBMISSION_POC_EMAIL, lg.submission_poc_email), (C.SUBMISSION_STATUS, lg.submission_status),
+                (C.TRAIN_SAMPLES, TRAIN_SAMPLES), (C.EVAL_SAMPLES, EVAL_SAMPLES), (C.SEED, t.seed),
+                (C.GLOBAL_BATCH_SIZE, t.global_batch_size), ("micro_batch_size", t.micro_batch_size),
+                (C.OPT_NAME, "adamw"), (C.OPT_BASE_LR, t.lr), (C.OPT_LR_WARMUP_STEPS, t.warmup_steps),
+                (C.OPT_ADAMW_BETA_1, t.adam_beta1), (C.OPT_ADAMW_BETA_2, t.adam_beta2),
+                (C.OPT_ADAMW_EPSILON, t.adam_eps), (C.OPT_ADAMW_WEIGHT_DECAY, t.weight_decay),
+                (C.OPT_GRADIENT_CLIP_NORM, t.grad_clip_norm),
+                (C.GRADIENT_ACCUMULATION_STEPS, accumulation_steps(cfg, world_size)),
+                # the rule's sample cadence (262144); a debug run's eval.every_steps does not change what is logged
+                (EVALUATION_FREQUENCY, cfg.eval.every_samples)):
+            self.event(key, value)

@@ -113,7 +113,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
             continue
         rule, scale = init_rule(name, module, hidden)
         weight = module.weight
-        device = weight.device if weight.device.type != "meta" else torch.device("cpu")
+        device = weight.device
         gen = torch.Generator(device=device).manual_seed(seed * 100_003 + index)
         _assign(weight, _full_init(rule, scale, weight.shape, gen, device))
         index += 1

@@ -22,8 +22,6 @@ from flux_train.config import ParallelConfig
 class Dist:
     rank: int
     world_size: int
-    local_rank: int
-    local_world_size: int
     device: torch.device
     mesh: DeviceMesh
 
@@ -56,7 +54,7 @@ def init_distributed(pcfg: ParallelConfig, device_choice: str = "auto", timeout_
         else:  # plain `python -m flux_train.train`: a one-process group, no network
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     mesh = build_mesh(pcfg, world, local_world, device.type)
-    return Dist(rank, world, local_rank, local_world, device, mesh)
+    return Dist(rank, world, device, mesh)
 
 
 def mesh_shape(pcfg: ParallelConfig, world: int, local_world: int) -> tuple[int, int]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import signal
-import warnings
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -18,8 +18,8 @@ import yaml
 
 from flux_train import checkpoint, flow
 from flux_train.compile import block_wrapper, select_attention_backend
-from flux_train.config import Config, ConfigError, eval_interval_steps, load_config, validate
-from flux_train.data import DataError, build_data
+from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
+from flux_train.data import LATENT_CHANNELS, DataError, build_data
 from flux_train.evaluate import evaluate
 from flux_train.metrics import Metrics
 from flux_train.mllog import C, MLLogger
@@ -55,7 +55,7 @@ class Trainer:
         t = cfg.train
         self.device = self.dist.device
         self.dtype = DTYPES[t.compute_dtype]
-        self.accum = t.global_batch_size // (t.micro_batch_size * self.dist.world_size)
+        self.accum = accumulation_steps(cfg, self.dist.world_size)
         if cfg.perf.cuda_graphs:
             raise ConfigError("perf.cuda_graphs: FSDP2 training steps cannot be captured (per-step all-gather and "
                               "reduce-scatter buffers); graphs apply to the one-GPU path of python -m flux_train.bench")
@@ -141,8 +141,8 @@ class Trainer:
             return
         b, side = self.cfg.train.micro_batch_size, self.cfg.perf.warmup_latent_size
         batch = {"t5": self.data.empty_t5.expand(b, -1, -1).clone(), "clip": self.data.empty_clip.expand(b, -1).clone(),
-                 "mean": torch.zeros(b, 16, side, side, dtype=torch.bfloat16),
-                 "logvar": torch.full((b, 16, side, side), -4.0, dtype=torch.bfloat16)}
+                 "mean": torch.zeros(b, LATENT_CHANNELS, side, side, dtype=torch.bfloat16),
+                 "logvar": torch.full((b, LATENT_CHANNELS, side, side), -4.0, dtype=torch.bfloat16)}
         set_lr(self.optimizer, 0.0)
         for _ in range(iters):
             self._micro_batch(batch, 0).backward()
@@ -175,16 +175,12 @@ class Trainer:
         if hasattr(signal, "SIGUSR2"):
             signal.signal(signal.SIGUSR2, handler)
 
-    def _stop_agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
-        return bool(all_reduce_sum(flag).item() > 0)
-
     def run(self) -> str:
         cfg, t = self.cfg, self.cfg.train
         interval = eval_interval_steps(cfg)
         metrics = Metrics(self.out_dir, self.device, self.dist.world_size, t.max_steps, self.dist.is_main,
-                          cfg.logging.progress_bar,
-                          cfg.logging.tensorboard, append=self.resume_from is not None, start_step=self.step)
+                          cfg.logging.progress_bar, cfg.logging.tensorboard, append=self.resume_from is not None,
+                          start_step=self.step)
         if self.dist.is_main:
             print(f"flux-train: {cfg.model.flavor} {self.n_params / 1e9:.3f} B params, world {self.dist.world_size}, "
                   f"GBS {t.global_batch_size} (micro {t.micro_batch_size} x accum {self.accum}), "
@@ -205,12 +201,14 @@ class Trainer:
             window_steps += 1
             metrics.add_step(t.global_batch_size, wait)
             if self.step % cfg.logging.log_every == 0:
-                mean_loss = all_reduce_sum(window_loss.clone()).item() / (window_steps * self.dist.world_size)
-                metrics.log(self.step, self.flops_per_sample, loss=mean_loss,
+                # one all-reduce: the window's loss and whether any rank got Slurm's warning signal
+                stats = torch.stack([window_loss, torch.tensor(float(self.stop_requested), device=self.device)])
+                loss_sum, stop_votes = all_reduce_sum(stats).tolist()
+                metrics.log(self.step, self.flops_per_sample, loss=loss_sum / (window_steps * self.dist.world_size),
                             lr=lr_at(self.step - 1, t.lr, t.warmup_steps), grad_norm=float(grad_norm))
                 window_loss.zero_()
                 window_steps = 0
-                if self._stop_agreed():
+                if stop_votes > 0:
                     status = "preempted"
                     self.mllog.end(C.BLOCK_STOP, samples_count=self.step * t.global_batch_size)
                     self.save_checkpoint()
@@ -248,12 +246,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        status = Trainer(cfg).run()
+        status = Trainer(load_config(args.config, args.overrides)).run()
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

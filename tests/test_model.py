@@ -79,7 +79,7 @@ def test_init_zero_normal_xavier_and_biases(mid_model):
             assert w.var().item() == pytest.approx(scale ** 2 / 3, rel=0.05 if w.numel() < 16384 else 0.02), name
 
 
-def test_init_is_independent_of_materialisation_order(mid_model):
+def test_init_is_reproducible_and_follows_the_seed(mid_model):
     cfg = ModelConfig(flavor="mid", num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=4,
                       axes_dims_rope=[16, 24, 24])
     again = materialize(build_model(cfg), torch.device("cpu"), seed=7)

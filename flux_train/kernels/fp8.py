@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
-RECIPES = ("rowwise", "tensorwise")
 
 
 def quantize(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
