@@ -214,6 +214,8 @@ def run_step(cfg: Config, args) -> list[dict]:
     cfg.perf.cuda_graphs = False  # FSDP steps are not captured (flux_train.compile)
     flops = flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)
     rows = [] if args.only_ours else [stock_fsdp_step(cfg, args, flops)]
+    if rows and dist.get_rank() == 0:
+        print(json.dumps(rows[0]), flush=True)
     gc.collect()  # the stock model and optimizer went out of scope with stock_fsdp_step
     torch.cuda.empty_cache()
     trainer = Trainer(cfg)
@@ -225,6 +227,8 @@ def run_step(cfg: Config, args) -> list[dict]:
                  "ms": round(seconds * 1000, 1), "samples_s_per_gpu": round(sps, 2),
                  "tflops": round(sps * flops / 1e12, 1),
                  "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "warm_s": round(warm, 1)})
+    if trainer.dist.is_main:
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

@@ -46,23 +46,27 @@ class _FP8Linear(torch.autograd.Function):
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
         xq, xs = quantize(x2, _dims(recipe, 1))          # per token
         wq, ws = quantize(weight, _dims(recipe, 1))      # per output channel
-        ctx.save_for_backward(x2, weight)
-        ctx.recipe = recipe
+        ctx.recipe, ctx.weight_dtype = recipe, weight.dtype
+        # tensorwise scales serve the backward GEMMs too: keep the e4m3 copies (half the bytes, no second cast);
+        # rowwise backward scales run along the other axis and need the high-precision operands
+        ctx.save_for_backward(*((xq, xs, wq, ws) if recipe == "tensorwise" else (x2, weight)))
         return scaled_mm(xq, xs, wq.t(), ws.t() if ws.dim() else ws)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x2, weight = ctx.saved_tensors
-        recipe = ctx.recipe
-        # dX = dY @ W: dY per token (over N), W per input channel (over N)
-        dyq, dys = quantize(dy, _dims(recipe, 1))
-        wq, ws = quantize(weight, _dims(recipe, 0))
-        dx = scaled_mm(dyq, dys, _column_major(wq), ws)
-        # dW = dY^T @ X: both per column, over the tokens
-        dyq0, dys0 = quantize(dy, _dims(recipe, 0))
-        xq0, xs0 = quantize(x2, _dims(recipe, 0))
-        dw = scaled_mm(dyq0.t().contiguous(), dys0.t() if dys0.dim() else dys0, _column_major(xq0), xs0)
-        return dx, dw.to(weight.dtype), None
+        if ctx.recipe == "tensorwise":
+            xq, xs, wq, ws = ctx.saved_tensors
+            dyq, dys = dyq0, dys0 = quantize(dy, None)
+            xq0, xs0 = xq, xs
+        else:
+            x2, weight = ctx.saved_tensors
+            wq, ws = quantize(weight, 0)                 # per input channel (over N)
+            dyq, dys = quantize(dy, 1)                   # per token (over N)
+            dyq0, dys0 = quantize(dy, 0)                 # per column, over the tokens
+            xq0, xs0 = quantize(x2, 0)
+        dx = scaled_mm(dyq, dys, _column_major(wq), ws)  # dX = dY @ W
+        dw = scaled_mm(dyq0.t().contiguous(), dys0.t() if dys0.dim() else dys0, _column_major(xq0), xs0)  # dY^T X
+        return dx, dw.to(ctx.weight_dtype), None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str = "none") -> torch.Tensor:
