@@ -308,6 +308,7 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     select_attention_backend(cfg.perf.attention)
     mode = args.mode or ("step" if "WORLD_SIZE" in os.environ else "fwdbwd")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # each rank measures its own GPU's ceiling
     ceiling = matmul_ceiling()
     rows = run_fwdbwd(cfg, args) if mode == "fwdbwd" else run_step(cfg, args)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
