@@ -124,7 +124,7 @@ def test_fp8_linear_on_tensor_cores_matches_its_cpu_emulation(recipe):
     dy = torch.randn(2, 64, 384, generator=g).bfloat16()
     results = {}
     for device in ("cpu", "cuda"):
-        xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        xd, wd = x.detach().to(device).requires_grad_(), w.detach().to(device).requires_grad_()
         y = linear(xd, wd, None, recipe)
         y.backward(dy.to(device))
         results[device] = [t.float().cpu() for t in (y, xd.grad, wd.grad)]
