@@ -209,11 +209,12 @@ def run_step(cfg: Config, args) -> list[dict]:
     cfg.data.source = "synthetic"
     cfg.data.synthetic_text_len, cfg.data.synthetic_latent_size = args.text_len, args.latent
     cfg.data.synthetic_train_samples = cfg.data.synthetic_val_samples = max(cfg.train.micro_batch_size * 2, 8)
-    cfg.train.global_batch_size = cfg.train.micro_batch_size * world
+    cfg.train.global_batch_size = cfg.train.micro_batch_size * world * args.accum
     cfg.logging.out_dir = args.out_dir
     cfg.perf.cuda_graphs = False  # FSDP steps are not captured (flux_train.compile)
     flops = flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)
-    rows = [] if args.only_ours else [stock_fsdp_step(cfg, args, flops)]
+    # the stock step has no accumulation: it is compared at accumulation 1 only
+    rows = [] if args.only_ours or args.accum > 1 else [stock_fsdp_step(cfg, args, flops)]
     if rows and dist.get_rank() == 0:
         print(json.dumps(rows[0]), flush=True)
     gc.collect()  # the stock model and optimizer went out of scope with stock_fsdp_step
@@ -221,8 +222,9 @@ def run_step(cfg: Config, args) -> list[dict]:
     trainer = Trainer(cfg)
     torch.cuda.reset_peak_memory_stats()
     seconds, warm = timed(lambda: trainer.train_step(), args.steps)
-    sps = cfg.train.micro_batch_size / seconds
-    name = "flux-train step" + (f" + FP8 {cfg.perf.fp8}" if cfg.perf.fp8 != "none" else "")
+    sps = cfg.train.micro_batch_size * args.accum / seconds
+    name = "flux-train step" + (f" + FP8 {cfg.perf.fp8}" if cfg.perf.fp8 != "none" else "") + (
+        f" (accumulation {args.accum})" if args.accum > 1 else "")
     rows.append({"row": name, "world": world, "batch": cfg.train.micro_batch_size,
                  "ms": round(seconds * 1000, 1), "samples_s_per_gpu": round(sps, 2),
                  "tflops": round(sps * flops / 1e12, 1),
@@ -294,6 +296,8 @@ def main(argv=None) -> int:
     p.add_argument("--text-len", type=int, default=256)
     p.add_argument("--latent", type=int, default=32, help="latent side (32 = 256x256 images)")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--accum", type=int, default=1,
+                   help="step mode: micro-batches per optimizer step (gradients reduced and AdamW run once per step)")
     p.add_argument("--ablate", action="store_true", help="one row per technique switched off")
     p.add_argument("--only-ours", action="store_true", help="skip the stock rows")
     p.add_argument("--fp8", default="", help="extra rows with these FP8 recipes, e.g. rowwise,tensorwise")
