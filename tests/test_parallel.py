@@ -13,18 +13,25 @@ ARGS = ["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--s
         "--set", "train.caption_dropout_prob=0.25", "--set", "eval.target=0.0"]
 
 
-def run(out, nproc):
+def run(out, nproc, extra=()):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
         if nproc > 1 else [sys.executable]
-    proc = subprocess.run([*launcher, "-m", "flux_train.train", *ARGS, "--set", f"logging.out_dir={out}"],
+    proc = subprocess.run([*launcher, "-m", "flux_train.train", *ARGS, "--set", f"logging.out_dir={out}", *extra],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_ranks_match_one_rank(tmp_path):
-    one = run(tmp_path / "one", 1)  # GBS 8 = micro 4 x accumulation 2
-    two = run(tmp_path / "two", 2)  # GBS 8 = micro 4 x 2 ranks
+@pytest.mark.parametrize("micro,extra", [
+    (4, []),  # FSDP over 2 ranks: GBS 8 = micro 4 x 2 ranks (one rank: micro 4 x accumulation 2)
+    # HSDP, 2 replicas of 1 shard, micro 2 x accumulation 2 (one rank: accumulation 4); the random draws follow
+    # the global micro-batch index, so both runs must split the batch into the same micro-batches
+    (2, ["--set", "parallel.dp_replicate=2"]),
+], ids=["fsdp", "hsdp-accumulation"])
+def test_two_ranks_match_one_rank(tmp_path, micro, extra):
+    size = ["--set", f"train.micro_batch_size={micro}"]
+    one = run(tmp_path / "one", 1, size)
+    two = run(tmp_path / "two", 2, size + extra)
     loss1 = [r["loss"] for r in one if "loss" in r]
     loss2 = [r["loss"] for r in two if "loss" in r]
     assert len(loss1) == len(loss2) == 6
