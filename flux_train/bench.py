@@ -8,7 +8,8 @@ way ../shared/bench/baseline_diffusers.py measures stock diffusers (eager and re
 the fused forwards, the Triton RMSNorm, regional compile and CUDA graph replay; `--ablate` adds one row per
 technique switched off.
 `--mode step` (any number of GPUs): a whole training step — FSDP2, AdamW, clipping — of our trainer against
-stock diffusers assembled the usual way (per-block compile + fully_shard, fused AdamW).
+stock diffusers assembled the usual way (per-block compile + fully_shard, fused AdamW); `--accum N` times
+ours with N micro-batches per optimizer step, as the GBS recipes run it (no stock row: it has no accumulation).
 Every row reports samples/s per GPU, TFLOP/s, MFU against a bf16 matmul ceiling measured in the same run,
 and peak memory; ratios are against the stock regional-compile row.
 """

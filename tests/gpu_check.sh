@@ -4,7 +4,8 @@
 # 1. GPU tests (RMSNorm vs float64, compiled/graphed vs eager, attention backend)
 # 2. flux-debug loss parity, 1 GPU vs 2 GPUs
 # 3. one-GPU forward+backward bench: stock diffusers vs ours, ablations, FP8 rows, in the same process
-# 4. full training step, FSDP2 over all GPUs: stock diffusers + FSDP2 vs our trainer (>= 20 steps)
+# 4. full training step, FSDP2 over all GPUs: stock diffusers + FSDP2 vs our trainer (>= 20 steps), and ours
+#    with gradient accumulation 4
 set -u
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
@@ -33,6 +34,9 @@ EOF
 
 CUDA_VISIBLE_DEVICES=0 python3 -m flux_train.bench --config configs/bench.yaml --ablate --fp8 rowwise,tensorwise \
   --steps 8 --json "$OUT/fwdbwd.json" > "$OUT/fwdbwd.log" 2>&1 || echo "fwdbwd bench failed: see $OUT/fwdbwd.log"
-torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.bench --config configs/bench.yaml --mode step \
-  --steps 20 --json "$OUT/step.json" > "$OUT/step.log" 2>&1 || echo "step bench failed: see $OUT/step.log"
-grep -h -A12 "matmul ceiling" "$OUT/fwdbwd.log" "$OUT/step.log"
+STEP="--config configs/systems/H200_01x08.yaml --mode step"
+torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.bench $STEP --steps 20 --json "$OUT/step.json" \
+  > "$OUT/step.log" 2>&1 || echo "step bench failed: see $OUT/step.log"
+torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.bench $STEP --steps 5 --accum 4 --json "$OUT/accum.json" \
+  > "$OUT/accum.log" 2>&1 || echo "accumulation step bench failed: see $OUT/accum.log"
+grep -h -A12 "matmul ceiling" "$OUT/fwdbwd.log" "$OUT/step.log" "$OUT/accum.log"
