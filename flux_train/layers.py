@@ -19,7 +19,6 @@ from torch import nn
 from flux_train.kernels.fp8 import linear
 
 
-
 class _ConcatLinear(torch.autograd.Function):
     """x @ cat(weights).T + bias as one GEMM that saves the weights themselves for backward, not their
     concatenation: a saved concatenation is a copy of every block's q/k/v(/MLP-in) weights held from forward to
