@@ -10,6 +10,7 @@ import torch
 
 from flux_train import checkpoint
 from flux_train.config import load_config
+from flux_train.results import read_events
 from flux_train.train import EXIT_PREEMPTED
 
 COMMON = ["--set", "data.source=synthetic", "--set", "eval.enabled=false", "--set", "logging.log_every=1", "--set", "train.warmup_steps=3",
@@ -53,8 +54,7 @@ def test_preempted_run_checkpoints_and_resumes_with_the_same_losses(tmp_path):
     for step in range(1, end + 1):
         assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
     # one run in the MLLOG file: the resumed part continued it instead of starting another
-    keys = [json.loads(l.split(":::MLLOG ", 1)[1])["key"] for l in (split / "mllog.log").read_text()
-            .splitlines() if ":::MLLOG" in l]
+    keys = [e["key"] for e in read_events(split / "mllog.log")]
     assert keys.count("run_start") == 1 and keys.count("run_stop") == 1
 
 

@@ -2,7 +2,6 @@
 the USR2 relay to workers, the preemption exit contract, and a killed worker ending a --local run."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from flux_train import launch
+from flux_train import launch, results
+from processes import pid_with_env
 from flux_train.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,17 +103,6 @@ def test_relay_waits_until_each_worker_handles_usr2(tmp_path):
             child.wait()
 
 
-def _find_worker(marker: str, local_rank: int) -> int | None:
-    for entry in os.listdir("/proc"):
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"FLUX_TEST_MARKER={marker}".encode() in env and f"LOCAL_RANK={local_rank}".encode() in env:
-            return int(entry)
-    return None
-
-
 @pytest.mark.slow
 def test_local_run_killed_worker_ends_it_naming_the_rank(tmp_path):
     marker = str(tmp_path)
@@ -128,7 +117,7 @@ def test_local_run_killed_worker_ends_it_naming_the_rank(tmp_path):
         mllog = tmp_path / "out" / "mllog.log"
         while time.monotonic() < deadline and not (mllog.is_file() and "run_start" in mllog.read_text()):
             time.sleep(0.5)
-        pid = _find_worker(marker, 1)
+        pid = pid_with_env(FLUX_TEST_MARKER=marker, LOCAL_RANK=1)
         assert pid is not None, "worker with local rank 1 not found"
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
@@ -174,8 +163,6 @@ def test_local_launcher_run_with_evals_on_the_energon_fixture_passes_the_checker
     """Issue 7's short run on the CPU: the --local launcher path, 2 workers, 50 steps, evals on the energon
     fixture's val set; the official checker finds the log's structure complete (only the convergence test on
     eval_accuracy may fail: 50 steps do not reach 0.586)."""
-    from flux_train import results
-
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "-m", "flux_train.submit", "--local", "--config", SYSTEM, "--nodes", "1",
@@ -185,8 +172,7 @@ def test_local_launcher_run_with_evals_on_the_energon_fixture_passes_the_checker
          "--set", f"slurm.folder={tmp_path}/sub/%j"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in (out / "mllog.log").read_text().splitlines()
-              if ":::MLLOG " in line]
+    events = results.read_events(out / "mllog.log")
     assert [e["metadata"]["samples_count"] for e in events if e["key"] == "eval_accuracy"] == [100, 200]
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["samples_count"] == 200
     assert results.check_compliance(out / "mllog.log").failed_keys in ([], ["eval_accuracy"])

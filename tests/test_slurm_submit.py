@@ -4,7 +4,6 @@ the docker runtime with a fake engine), and the plain sbatch script. CPU only: t
 processes and the GPU gres files are fake."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from flux_train import results
+from processes import pid_with_env
 from slurm_cluster import wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -34,10 +35,10 @@ def submit(tmp_path: Path, *args: str, env: dict | None = None) -> str:
 
 
 def mllog(tmp_path: Path) -> list[dict]:
-    path = tmp_path / "out" / "mllog.log"
-    if not path.is_file():
+    try:
+        return results.read_events(tmp_path / "out" / "mllog.log")
+    except results.UnreadableLog:  # not written yet
         return []
-    return [json.loads(line.split(":::MLLOG ", 1)[1]) for line in path.read_text().splitlines() if ":::MLLOG" in line]
 
 
 def node_logs(tmp_path: Path, job: str) -> dict[int, str]:
@@ -92,17 +93,6 @@ def test_preemption_requeues_and_resumes(slurm_cluster, tmp_path):
     assert keys[-1] == "run_stop" and events[-1]["metadata"]["samples_count"] == steps * gbs
 
 
-def _worker_pid(run_id: str, rank: int) -> int | None:
-    for entry in os.listdir("/proc"):
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"TORCHELASTIC_RUN_ID={run_id}".encode() in env and f"RANK={rank}".encode() in env:
-            return int(entry)
-    return None
-
-
 # No container engine can run here: this stand-in for `docker run` runs the command directly, with only the
 # variables named by --env=NAME (plus a bare PATH and HOME, like an image's) and in --workdir, as docker would.
 FAKE_DOCKER = """
@@ -135,7 +125,7 @@ def test_dead_worker_ends_the_job_naming_its_rank(slurm_cluster, tmp_path):
                  "--set", "train.max_steps=100000", "--set", "eval.enabled=false", env=env)
     wait_run_start(tmp_path)
     assert len(record.read_text().splitlines()) == 2  # one container per node
-    pid = wait_for(lambda: _worker_pid(f"flux-{job}", 3), 10, "worker rank 3")
+    pid = wait_for(lambda: pid_with_env(TORCHELASTIC_RUN_ID=f"flux-{job}", RANK=3), 10, "worker rank 3")
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     info = slurm_cluster.wait_job(job, timeout=60)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from flux_train.results import read_events
 from flux_train.train import main
 
 
@@ -18,10 +19,6 @@ def debug_run(tmp_path_factory):
     return out, proc.stdout
 
 
-def read_log(path):
-    return [json.loads(line.split(":::MLLOG ", 1)[1]) for line in path.read_text().splitlines() if ":::MLLOG" in line]
-
-
 def test_debug_run_overfits_and_stops_with_success(debug_run):
     out, stdout = debug_run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -29,7 +26,7 @@ def test_debug_run_overfits_and_stops_with_success(debug_run):
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(losses) >= 3 and losses[-1] < 0.75 * losses[0], losses
     assert vals[-1] <= 0.586 < vals[0], vals
-    events = read_log(out / "mllog.log")
+    events = read_events(out / "mllog.log")
     run_stop = [e for e in events if e["key"] == "run_stop"]
     assert len(run_stop) == 1 and run_stop[0]["metadata"]["status"] == "success"
     assert "status success" in stdout
@@ -39,7 +36,7 @@ def test_debug_run_overfits_and_stops_with_success(debug_run):
 
 def test_mllog_has_every_key_in_order(debug_run):
     out, _ = debug_run
-    events = read_log(out / "mllog.log")
+    events = read_events(out / "mllog.log")
     keys = [e["key"] for e in events]
     before_run = keys[:keys.index("run_start")]
     for key in ("cache_clear", "submission_benchmark", "submission_org", "submission_platform", "train_samples",
@@ -70,7 +67,7 @@ def test_step_cap_ends_aborted(tmp_path):
                "--set", "train.max_steps=4",
                "--set", "eval.every_steps=2", "--set", "logging.log_every=2"])
     assert rc == 0
-    events = read_log(tmp_path / "mllog.log")
+    events = read_events(tmp_path / "mllog.log")
     assert [e["metadata"]["status"] for e in events if e["key"] == "run_stop"] == ["aborted"]
     assert len([e for e in events if e["key"] == "eval_accuracy"]) == 2
 
