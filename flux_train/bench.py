@@ -240,7 +240,6 @@ def stock_fsdp_step(cfg: Config, args, flops: float) -> dict:
 
     if not dist.is_initialized():
         dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     model = stock_flux(cfg, "meta")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for stack in block_stacks(model):
