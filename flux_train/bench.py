@@ -1,17 +1,24 @@
-"""Throughput benchmark against the stock diffusers baseline, measured in the same process.
+"""Throughput benchmark against stock diffusers, measured side by side on the same GPUs.
 
-    python -m flux_train.bench --config configs/bench.yaml [--set k=v] [--ablate] [--json out.json]
-    torchrun --nproc_per_node=4 -m flux_train.bench --config configs/bench.yaml --mode step
+    python -m flux_train.bench --mode fwdbwd --rows stock,ours,ours-fp8-tensorwise --json rows.jsonl
+    torchrun --nproc_per_node=2 -m flux_train.bench --mode step --rows stock,ours --profile --json rows.jsonl
+    python -m flux_train.bench --table rows.jsonl
 
-`--mode fwdbwd` (one GPU): forward + backward of the full model with bf16 parameters and no optimizer, the
-way ../shared/bench/baseline_diffusers.py measures stock diffusers (eager and regional compile); ours adds
-the fused forwards, the Triton RMSNorm, regional compile and CUDA graph replay; `--ablate` adds one row per
-technique switched off.
-`--mode step` (any number of GPUs): a whole training step — FSDP2, AdamW, clipping — of our trainer against
-stock diffusers assembled the usual way (per-block compile + fully_shard, fused AdamW); `--accum N` times
-ours with N micro-batches per optimizer step, as the GBS recipes run it (no stock row: it has no accumulation).
-Every row reports samples/s per GPU, TFLOP/s, MFU against a bf16 matmul ceiling measured in the same run,
-and peak memory; ratios are against the stock regional-compile row.
+`--mode fwdbwd` (one GPU): forward + backward of the model with bf16 weights and no optimizer, at `--batch`.
+Rows: `stock-eager` / `stock` (diffusers FluxTransformer2DModel, eager / its regional compile), `ours` (the
+config's perf settings), `ours-fp8-<recipe>`, `torchao-fp8-<recipe>` (torchao's Float8Linear on our model),
+and ablations `ours-no-graphs`, `ours-no-compile`, `ours-torch-rmsnorm`.
+`--mode step` (any number of GPUs, under torchrun): a whole training step at train.micro_batch_size per GPU.
+Rows: `stock` (diffusers + FSDP2 per block, per-block compile, fused AdamW, clipping: what a user would
+assemble) and `ours` (our Trainer's own step with the config as given: strategy, FP8, graphs, `--accum`);
+`--profile` adds where the step's GPU time goes; the row also carries the eval rate (the trainer's evaluate
+path, val samples/s per GPU).
+
+Every row is one JSON line appended to `--json`; `--table FILE` prints them all: samples/s per GPU, TFLOP/s,
+MFU against the bf16 matmul ceiling measured in the same process, peak memory, the ratio to the stock row of
+the same mode and batch, and for step rows the step efficiency = step samples/s / one-GPU forward+backward
+samples/s of the same precision and micro-batch (an `ours` fwdbwd row in the same file). Run the rows of one
+comparison in one GPU session: the stock rows move several per cent from one machine to the next.
 """
 from __future__ import annotations
 
@@ -27,9 +34,14 @@ import torch
 import torch.distributed as dist
 
 from flux_train import flow
-from flux_train.compile import GraphedStep, compile_unsharded, select_attention_backend
 from flux_train.config import Config, load_config
-from flux_train.model import block_stacks, build_model, flops_per_sample, init_weights
+from flux_train.diffusers_adapter import diffusers_config
+from flux_train.model import build_model, flops_per_sample, init_weights
+from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
+
+FWDBWD_ROWS = ("stock-eager", "stock", "ours", "ours-fp8-tensorwise", "ours-fp8-rowwise", "torchao-fp8-tensorwise",
+               "torchao-fp8-rowwise", "ours-no-graphs", "ours-no-compile", "ours-torch-rmsnorm")
+STEP_ROWS = ("stock", "ours")
 
 
 def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
@@ -45,18 +57,22 @@ def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
     return 2 * n ** 3 * iters / (time.perf_counter() - t0) / 1e12
 
 
-def synthetic_inputs(cfg: Config, batch: int, text_len: int, latent: int, device) -> tuple[dict, torch.Tensor]:
-    g = torch.Generator(device=device).manual_seed(0)
-    m = cfg.model
-    tokens = (latent // 2) ** 2
-    kw = dict(hidden_states=torch.randn(batch, tokens, m.in_channels, device=device, generator=g),
-              encoder_hidden_states=torch.randn(batch, text_len, m.joint_attention_dim, device=device, generator=g),
-              pooled_projections=torch.randn(batch, m.pooled_projection_dim, device=device, generator=g),
-              timestep=torch.rand(batch, device=device, generator=g),
-              img_ids=flow.image_ids(latent, latent, device), txt_ids=flow.text_ids(text_len, device))
-    kw = {k: v.to(torch.bfloat16) if k in ("hidden_states", "encoder_hidden_states", "pooled_projections") else v
-          for k, v in kw.items()}
-    return kw, torch.randn(batch, tokens, m.in_channels, device=device, generator=g)
+def synthetic_inputs(cfg: Config, batch: int, text_len: int, latent: int) -> tuple[dict, torch.Tensor]:
+    """Our model's kwargs (bf16, like flow.build_inputs) and a target, on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    m, tokens = cfg.model, (latent // 2) ** 2
+    kw = dict(img=torch.randn(batch, tokens, m.in_channels, device="cuda", generator=g),
+              img_ids=flow.image_ids(latent, latent, "cuda"),
+              txt=torch.randn(batch, text_len, m.joint_attention_dim, device="cuda", generator=g),
+              txt_ids=flow.text_ids(text_len, "cuda"), timesteps=torch.rand(batch, device="cuda", generator=g),
+              y=torch.randn(batch, m.pooled_projection_dim, device="cuda", generator=g))
+    kw = {k: v if k.endswith("_ids") else v.to(torch.bfloat16) for k, v in kw.items()}
+    return kw, torch.randn(batch, tokens, m.in_channels, device="cuda", generator=g)
+
+
+def as_diffusers_kwargs(kw: dict) -> dict:
+    return dict(hidden_states=kw["img"], encoder_hidden_states=kw["txt"], pooled_projections=kw["y"],
+                timestep=kw["timesteps"], img_ids=kw["img_ids"], txt_ids=kw["txt_ids"], return_dict=False)
 
 
 def timed(step, steps: int, warmup: int = 3) -> tuple[float, float]:
@@ -77,172 +93,183 @@ def timed(step, steps: int, warmup: int = 3) -> tuple[float, float]:
     return sorted(times)[len(times) // 2], warm
 
 
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+# ------------------------------------------------------------------------------------ GPU time by kind
+
+# first match wins: attention kernels carry cutlass in their names, our AdamW kernel "adamw"
+KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha")),
+                ("optimizer + clip", ("adamw", "adam", "multi_tensor", "foreach", "norm_kernel", "reduce_kernel",
+                                      "lerp")),
+                ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
+                ("fp8 casts", ("amax", "float8", "fp8")),
+                ("copies (fsdp/ddp buffers)", ("chunk_cat", "split_with_sizes", "copy", "catarray")),
+                ("elementwise (triton)", ("triton",)))
+
+
+def profile_breakdown(run, steps: int = 3) -> dict:
+    """ms per step of GPU kernel time by kind (KERNEL_KINDS + other), and the compute stream's idle time
+    (the step minus the union of non-NCCL kernels: exposed communication and CPU stalls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1000 / steps
+    kinds = {k: 0.0 for k, _ in KERNEL_KINDS} | {"other": 0.0}
+    spans = []
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or e.time_range.end <= e.time_range.start:
+            continue
+        name = e.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "other")
+        kinds[kind] += (e.time_range.end - e.time_range.start) / 1000
+        if kind != "nccl":
+            spans.append((e.time_range.start, e.time_range.end))
+    busy, end = 0.0, None
+    for s, e in sorted(spans):
+        if end is None or s > end:
+            busy, end = busy + (e - s), e
+        elif e > end:
+            busy, end = busy + (e - end), e
+    out = {k: round(v / steps, 1) for k, v in kinds.items()}
+    out["compute busy"] = round(busy / 1000 / steps, 1)
+    out["compute idle"] = round(wall_ms - busy / 1000 / steps, 1)
+    out["step (profiled)"] = round(wall_ms, 1)
+    return out
+
+
 # ------------------------------------------------------------------------------------ one GPU, fwd + bwd
 
 def stock_flux(cfg: Config, device: str):
-    """Stock diffusers FluxTransformer2DModel with the config's dimensions (its own forwards and init)."""
     from diffusers import FluxTransformer2DModel
 
-    m = cfg.model
     with torch.device(device):
-        return FluxTransformer2DModel(
-            patch_size=1, in_channels=m.in_channels, num_layers=m.num_layers, num_single_layers=m.num_single_layers,
-            attention_head_dim=m.attention_head_dim, num_attention_heads=m.num_attention_heads,
-            joint_attention_dim=m.joint_attention_dim, pooled_projection_dim=m.pooled_projection_dim,
-            guidance_embeds=False, axes_dims_rope=tuple(m.axes_dims_rope))
+        return FluxTransformer2DModel(**diffusers_config(cfg.model))
 
 
-def stock_model(cfg: Config, regional: bool):
-    model = stock_flux(cfg, "cuda").to(torch.bfloat16)
-    if regional:
-        model.compile_repeated_blocks(fullgraph=True)
-    return lambda **kw: model(**kw, return_dict=False)[0], model
-
-
-def our_model(cfg: Config, rmsnorm: str, compile_mode: str, fp8: str):
-    model = build_model(cfg.model, rmsnorm_impl=rmsnorm, fp8=fp8)
+def fwdbwd_model(cfg: Config, row: str):
+    """(forward(kw) -> output, module, use CUDA graphs) for a fwdbwd row."""
+    if row.startswith("stock"):
+        model = stock_flux(cfg, "cuda").to(torch.bfloat16)
+        if row == "stock":
+            model.compile_repeated_blocks(fullgraph=True)
+        return lambda kw: model(**as_diffusers_kwargs(kw))[0], model, False
+    perf = cfg.perf
+    if "-fp8-" in row:
+        impl, _, recipe = row.partition("-fp8-")
+        perf = replace(perf, fp8=recipe, fp8_impl=impl)
+    perf = replace(perf, cuda_graphs=perf.cuda_graphs and row != "ours-no-graphs",
+                   compile="none" if row == "ours-no-compile" else perf.compile,
+                   rmsnorm="torch" if row == "ours-torch-rmsnorm" else perf.rmsnorm)
+    model = build_model(cfg.model, perf.rmsnorm)
     model.to_empty(device="cuda")
     init_weights(model, seed=0)
     with torch.no_grad():  # leave the zero init so no branch is trivially zero
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     model.to(torch.bfloat16)
-    compile_unsharded(model, compile_mode)
-    return model, model
+    apply_fp8(model, perf.fp8, perf.fp8_impl, torch.device("cuda"))
+    compile_blocks(model, perf.compile)
+    return lambda kw: model(**kw), model, perf.cuda_graphs
 
 
-def fwdbwd_row(name: str, forward, module, kw, target, steps: int, graphs: bool, flops: float, batch: int) -> dict:
-    params = [p for p in module.parameters()]
-
-    def step():
-        for p in params:
-            p.grad = None
-        loss = flow.mse_loss(forward(**kw), target)
-        loss.backward()
-        return loss.detach()
-
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        run = GraphedStep(step, params) if graphs else step
-        seconds, warm = timed(run, steps)
-    except torch.OutOfMemoryError:
-        return {"row": name, "error": "OOM"}
-    sps = batch / seconds
-    return {"row": name, "batch": batch, "ms": round(seconds * 1000, 1), "samples_s_per_gpu": round(sps, 2),
-            "tflops": round(sps * flops / 1e12, 1), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-            "warm_s": round(warm, 1)}
-
-
-# attention first: flash kernels carry cutlass in their template names
-KERNEL_KINDS = (("attention", ("flash", "fmha")), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
-                ("nccl", ("nccl",)), ("triton fused", ("triton",)))
-
-
-def profile_step(forward, module, kw, target, steps: int = 3) -> None:
-    """Where the GPU time of a forward+backward goes: shares per kernel kind and the top kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
+def run_fwdbwd(cfg: Config, args, row: str) -> dict:
+    kw, target = synthetic_inputs(cfg, args.batch, args.text_len, args.latent)
+    forward, module, graphs = fwdbwd_model(cfg, row)
     params = list(module.parameters())
 
     def step():
         for p in params:
             p.grad = None
-        flow.mse_loss(forward(**kw), target).backward()
+        loss = flow.mse_loss(forward(kw), target)
+        loss.backward()
+        return loss.detach()
 
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in events) or 1.0
-    shares = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
-    for e in events:
-        kind = next((k for k, keys in KERNEL_KINDS if any(s in e.key.lower() for s in keys)), "other")
-        shares[kind] += e.self_device_time_total
-    print("PROFILE kernel time per step (ms): " + ", ".join(
-        f"{k} {v / 1000 / steps:.1f} ({100 * v / total:.0f}%)" for k, v in shares.items()), flush=True)
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
-        print(f"PROFILE {e.self_device_time_total / 1000 / steps:8.2f} ms x{e.count // steps:<4d} {e.key[:110]}")
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        run = CudaGraph(step, warmup=2) if graphs else step
+        seconds, warm = timed(run, args.steps)
+    except torch.OutOfMemoryError:
+        return {"mode": "fwdbwd", "row": row, "batch": args.batch, "error": "out of memory"}
+    result = {"mode": "fwdbwd", "row": row, "batch": args.batch, "precision": precision_of(row, cfg),
+              "ms": round(seconds * 1000, 1), "samples_s_per_gpu": round(args.batch / seconds, 2),
+              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "warm_s": round(warm, 1)}
+    if args.profile:
+        result["profile"] = profile_breakdown(run)
+    return result
 
 
-def run_fwdbwd(cfg: Config, args) -> list[dict]:
-    kw, target = synthetic_inputs(cfg, args.batch, args.text_len, args.latent, "cuda")
-    flops = flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)
-    p = cfg.perf
-    stock = [("stock diffusers eager", "stock", False, None),
-             ("stock diffusers regional compile", "stock", True, None)]
-    variants = ([] if args.only_ours else stock) + [("flux-train", "ours", p.cuda_graphs, p)]
-    variants += [(f"flux-train + FP8 {recipe}", "ours", p.cuda_graphs, replace(p, fp8=recipe))
-                 for recipe in filter(None, args.fp8.split(","))]
-    if args.ablate:
-        variants += [("  - CUDA graphs", "ours", False, p),
-                     ("  - compile (eager)", "ours", False, replace(p, compile="none")),
-                     ("  - Triton RMSNorm (torch)", "ours", p.cuda_graphs, replace(p, rmsnorm="torch")),
-                     ("  compile per stack", "ours", p.cuda_graphs, replace(p, compile="stack"))]
-    rows = []
-    for name, kind, flag, perf in variants:
-        if kind == "stock":
-            forward, module = stock_model(cfg, regional=flag)
-            graphs = False
+def precision_of(row: str, cfg: Config) -> str:
+    if "-fp8-" in row:
+        return "fp8 " + row.split("-fp8-")[1]
+    return "bf16" if row.startswith("stock") or cfg.perf.fp8 == "none" else f"fp8 {cfg.perf.fp8}"
+
+
+# ------------------------------------------------------------------------------------ training step
+
+def run_step(cfg: Config, args, row: str) -> dict:
+    world = dist.get_world_size()
+    mb = cfg.train.micro_batch_size
+    base = {"mode": "step", "row": row, "world": world, "batch": mb, "accum": args.accum}
+    try:
+        if row == "stock":
+            seconds, warm, profile = stock_fsdp_step(cfg, args)
+            base |= {"precision": "bf16", "label": "stock diffusers + FSDP2 (per-block compile, fused AdamW)"}
         else:
-            forward, module = our_model(cfg, perf.rmsnorm, perf.compile, perf.fp8)
-            graphs = flag
-        row = fwdbwd_row(name, forward, module, kw, target, args.steps, graphs, flops, args.batch)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        if args.profile and name == "flux-train":
-            profile_step(forward, module, kw, target)
-        del forward, module
-        gc.collect()
-        torch.cuda.empty_cache()
-    return rows
+            seconds, warm, profile, eval_rate = trainer_step(cfg, args)
+            base |= {"precision": precision_of("ours", cfg), "eval_samples_s_per_gpu": eval_rate,
+                     "label": (f"ours {cfg.parallel.strategy}" + (" + graphs" if cfg.perf.cuda_graphs else "")
+                               + (f", accumulation {args.accum}" if args.accum > 1 else ""))}
+    except torch.OutOfMemoryError:
+        return base | {"error": "out of memory"}
+    base |= {"ms": round(seconds * 1000, 1), "samples_s_per_gpu": round(mb * args.accum / seconds, 2),
+             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "warm_s": round(warm, 1)}
+    if profile:
+        base["profile"] = profile
+    return base
 
 
-# ------------------------------------------------------------------------------------ training step (FSDP)
-
-def run_step(cfg: Config, args) -> list[dict]:
-    """Our Trainer's step vs stock diffusers + FSDP2, both with AdamW and clipping, at the config's batch."""
+def trainer_step(cfg: Config, args) -> tuple[float, float, dict | None, float]:
+    from flux_train.evaluate import evaluate
     from flux_train.train import Trainer
 
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world = dist.get_world_size()
     cfg.data.source = "synthetic"
     cfg.data.synthetic_text_len, cfg.data.synthetic_latent_size = args.text_len, args.latent
-    cfg.data.synthetic_train_samples = cfg.data.synthetic_val_samples = max(cfg.train.micro_batch_size * 2, 8)
+    cfg.perf.warmup_latent_size = args.latent
+    cfg.data.synthetic_train_samples = cfg.data.synthetic_val_samples = max(cfg.train.micro_batch_size * 2,
+                                                                            cfg.eval.batch_size * world * 4)
     cfg.train.global_batch_size = cfg.train.micro_batch_size * world * args.accum
     cfg.logging.out_dir = args.out_dir
-    cfg.perf.cuda_graphs = False  # FSDP steps are not captured (flux_train.compile)
-    flops = flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)
-    # the stock step has no accumulation: it is compared at accumulation 1 only
-    rows = [] if args.only_ours or args.accum > 1 else [stock_fsdp_step(cfg, args, flops)]
-    if rows and dist.get_rank() == 0:
-        print(json.dumps(rows[0]), flush=True)
-    gc.collect()  # the stock model and optimizer went out of scope with stock_fsdp_step
-    torch.cuda.empty_cache()
     trainer = Trainer(cfg)
     torch.cuda.reset_peak_memory_stats()
-    seconds, warm = timed(lambda: trainer.train_step(), args.steps)
-    sps = cfg.train.micro_batch_size * args.accum / seconds
-    name = "flux-train step" + (f" + FP8 {cfg.perf.fp8}" if cfg.perf.fp8 != "none" else "") + (
-        f" (accumulation {args.accum})" if args.accum > 1 else "")
-    rows.append({"row": name, "world": world, "batch": cfg.train.micro_batch_size,
-                 "ms": round(seconds * 1000, 1), "samples_s_per_gpu": round(sps, 2),
-                 "tflops": round(sps * flops / 1e12, 1),
-                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "warm_s": round(warm, 1)})
-    if trainer.dist.is_main:
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+    trainer.warm_up(max(cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
+    seconds, warm = timed(trainer.train_step, args.steps)
+    profile = profile_breakdown(trainer.train_step) if args.profile else None
+    kwargs = dict(device=trainer.device, dtype=trainer.dtype, seed=0, eval_index=0, rank=trainer.dist.rank,
+                  shift=cfg.train.latent_shift, scale=cfg.train.latent_scale)
+    evaluate(trainer.model, trainer.data.val(), **kwargs)  # warm: eval shapes compile once
+    torch.cuda.synchronize()
+    e0 = time.perf_counter()
+    _, count = evaluate(trainer.model, trainer.data.val(), **kwargs)
+    eval_rate = count / (time.perf_counter() - e0) / world
+    return seconds, warm, profile, round(eval_rate, 1)
 
 
-def stock_fsdp_step(cfg: Config, args, flops: float) -> dict:
+def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, dict | None]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl")
     model = stock_flux(cfg, "meta")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for stack in block_stacks(model):
+    for stack in (model.transformer_blocks, model.single_transformer_blocks):
         for i, block in enumerate(stack):
             stack[i] = torch.compile(block, fullgraph=True)
             fully_shard(stack[i], mp_policy=mp)
@@ -252,10 +279,11 @@ def stock_fsdp_step(cfg: Config, args, flops: float) -> dict:
         for p in model.parameters():
             p.normal_(0, 0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
-    kw, target = synthetic_inputs(cfg, cfg.train.micro_batch_size, args.text_len, args.latent, "cuda")
+    kw, target = synthetic_inputs(cfg, cfg.train.micro_batch_size, args.text_len, args.latent)
+    kw = as_diffusers_kwargs(kw)
 
     def step():
-        loss = flow.mse_loss(model(**kw, return_dict=False)[0], target)
+        loss = flow.mse_loss(model(**kw)[0], target)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -263,67 +291,102 @@ def stock_fsdp_step(cfg: Config, args, flops: float) -> dict:
 
     torch.cuda.reset_peak_memory_stats()
     seconds, warm = timed(step, args.steps)
-    sps = cfg.train.micro_batch_size / seconds
-    row = {"row": "stock diffusers FSDP2 step (per-block compile)", "world": dist.get_world_size(),
-           "batch": cfg.train.micro_batch_size, "ms": round(seconds * 1000, 1), "samples_s_per_gpu": round(sps, 2),
-           "tflops": round(sps * flops / 1e12, 1), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-           "warm_s": round(warm, 1)}
-    return row
+    return seconds, warm, profile_breakdown(step) if args.profile else None
 
 
-def print_table(rows: list[dict], ceiling: float) -> None:
-    # the reference row: stock regional compile (fwdbwd) or stock FSDP2 with per-block compile (step)
-    base = next((r for r in rows if r["row"].startswith("stock") and ("regional" in r["row"] or "FSDP2" in r["row"])),
-                None)
-    print(f"\nbf16 matmul ceiling {ceiling:.0f} TFLOP/s\n")
-    print(f"{'row':46s} {'samples/s/GPU':>13s} {'TFLOP/s':>8s} {'MFU %':>6s} {'peak GiB':>8s} {'vs stock':>8s}")
+# ------------------------------------------------------------------------------------ the table
+
+def print_table(rows: list[dict]) -> None:
+    """Rows of one or more bench runs: throughput, ratios to stock, step efficiency, profiles."""
+    def stock_for(r):
+        return next((s for s in rows if s["mode"] == r["mode"] and s["row"] == "stock" and s["batch"] == r["batch"]
+                     and "error" not in s), None)
+
+    def fwdbwd_for(r):
+        return next((s for s in rows if s["mode"] == "fwdbwd" and s["row"].startswith("ours")
+                     and s["row"] not in ("ours-no-graphs", "ours-no-compile", "ours-torch-rmsnorm")
+                     and s.get("precision") == r.get("precision") and s["batch"] == r["batch"]
+                     and "error" not in s), None)
+
+    print(f"\n{'mode':6s} {'row':58s} {'batch':>5s} {'samples/s/GPU':>13s} {'MFU %':>6s} {'peak GiB':>8s} "
+          f"{'vs stock':>8s} {'step eff':>8s} {'eval/s/GPU':>10s}")
     for r in rows:
+        name = r.get("label", r["row"]) + (f" [{r['precision']}]" if "precision" in r else "")
         if "error" in r:
-            print(f"{r['row']:46s} {r['error']}")
+            print(f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['error']}")
             continue
-        ratio = r["samples_s_per_gpu"] / base["samples_s_per_gpu"] if base and "error" not in base else float("nan")
-        print(f"{r['row']:46s} {r['samples_s_per_gpu']:13.2f} {r['tflops']:8.1f} {100 * r['tflops'] / ceiling:6.1f} "
-              f"{r['peak_gib']:8.1f} {ratio:8.2f}x")
+        stock, ref = stock_for(r), fwdbwd_for(r) if r["mode"] == "step" else None
+        ratio = f"{r['samples_s_per_gpu'] / stock['samples_s_per_gpu']:.2f}x" if stock else "-"
+        eff = f"{r['samples_s_per_gpu'] / ref['samples_s_per_gpu']:.2f}" if ref else "-"
+        mfu = 100 * r["samples_s_per_gpu"] * r["flops_per_sample"] / 1e12 / r["ceiling_tflops"]
+        print(f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['samples_s_per_gpu']:13.2f} {mfu:6.1f} "
+              f"{r['peak_gib']:8.1f} {ratio:>8s} {eff:>8s} {r.get('eval_samples_s_per_gpu', '-'):>10}")
+    profiled = [r for r in rows if "profile" in r]
+    if profiled:
+        kinds = list(profiled[0]["profile"])
+        print("\nGPU time per step (ms), by kernel kind; idle = step - compute-stream busy")
+        print(f"{'kind':28s}" + "".join(f" {(r.get('label', r['row']) + ' ' + r.get('precision', ''))[:22]:>23s}"
+                                       for r in profiled))
+        for kind in kinds:
+            print(f"{kind:28s}" + "".join(f" {r['profile'].get(kind, 0):23.1f}" for r in profiled))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flux_train.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/bench.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--mode", choices=("fwdbwd", "step"), default=None,
-                   help="default: fwdbwd on one GPU, step under torchrun")
+    p.add_argument("--config", default="configs/bench.yaml", help="the run config whose model and perf settings "
+                   "are measured (default: configs/bench.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value; repeatable")
+    p.add_argument("--mode", choices=("fwdbwd", "step"), default="fwdbwd",
+                   help="fwdbwd: one GPU, forward+backward only; step: the whole training step under torchrun")
+    p.add_argument("--rows", default=None,
+                   help=f"comma-separated rows; fwdbwd: {', '.join(FWDBWD_ROWS)} (default stock,ours); "
+                        f"step: {', '.join(STEP_ROWS)} (default stock,ours)")
     p.add_argument("--batch", type=int, default=16, help="fwdbwd batch (step mode uses train.micro_batch_size)")
-    p.add_argument("--text-len", type=int, default=256)
+    p.add_argument("--text-len", type=int, default=256, help="T5 tokens per sample (default 256)")
     p.add_argument("--latent", type=int, default=32, help="latent side (32 = 256x256 images)")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per row (median reported)")
     p.add_argument("--accum", type=int, default=1,
-                   help="step mode: micro-batches per optimizer step (gradients reduced and AdamW run once per step)")
-    p.add_argument("--ablate", action="store_true", help="one row per technique switched off")
-    p.add_argument("--only-ours", action="store_true", help="skip the stock rows")
-    p.add_argument("--fp8", default="", help="extra rows with these FP8 recipes, e.g. rowwise,tensorwise")
-    p.add_argument("--profile", action="store_true", help="kernel-time breakdown of our step")
-    p.add_argument("--json", default=None, help="write the rows here")
-    p.add_argument("--out-dir", default="runs/bench")
+                   help="step mode: micro-batches per optimizer step for the ours row (the stock step has none)")
+    p.add_argument("--profile", action="store_true", help="add the GPU time per kernel kind to each row")
+    p.add_argument("--json", default=None, help="append each row as a JSON line to this file")
+    p.add_argument("--table", default=None, metavar="FILE", help="print the table of the rows in FILE and exit")
+    p.add_argument("--out-dir", default="runs/bench", help="the trainer's run folder in step mode")
     args = p.parse_args(argv)
+    if args.table:
+        print_table([json.loads(line) for line in open(args.table) if line.strip()])
+        return 0
     if not torch.cuda.is_available():
-        print("python -m flux_train.bench needs a GPU", file=sys.stderr)
+        print("python -m flux_train.bench needs a GPU (python -m flux_train.bench --table FILE does not)",
+              file=sys.stderr)
         return 2
     cfg = load_config(args.config, args.overrides)
+    rows = (args.rows or "stock,ours").split(",")
+    known = FWDBWD_ROWS if args.mode == "fwdbwd" else STEP_ROWS
+    unknown = [r for r in rows if r not in known]
+    if unknown:
+        print(f"--rows: unknown row '{unknown[0]}' for --mode {args.mode}; choose from {', '.join(known)}",
+              file=sys.stderr)
+        return 2
     torch.backends.cuda.matmul.allow_tf32 = True
     select_attention_backend(cfg.perf.attention)
-    mode = args.mode or ("step" if "WORLD_SIZE" in os.environ else "fwdbwd")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # each rank measures its own GPU's ceiling
+    if args.mode == "step" and not dist.is_initialized():
+        dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # each rank measures its own GPU
     ceiling = matmul_ceiling()
-    rows = run_fwdbwd(cfg, args) if mode == "fwdbwd" else run_step(cfg, args)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0:
-        print_table(rows, ceiling)
-        result = {"device": torch.cuda.get_device_name(), "mode": mode, "ceiling_tflops": ceiling, "rows": rows,
-                  "flops_per_sample": flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)}
-        print("SUMMARY " + json.dumps(result))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+    flops = flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)
+    for row in rows:
+        result = (run_fwdbwd if args.mode == "fwdbwd" else run_step)(load_config(args.config, args.overrides),
+                                                                      args, row)
+        result |= {"device": torch.cuda.get_device_name(), "ceiling_tflops": round(ceiling, 1),
+                   "flops_per_sample": flops}
+        if rank0:
+            print("ROW " + json.dumps(result), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(result) + "\n")
+        free_memory()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -50,8 +49,9 @@ def resolve_resume(cfg) -> Path | None:
     return path
 
 
-def save(root: Path, step: int, model, optimizer, loader_state: dict, progress: dict, keep: int) -> Path:
-    """Collective: every rank calls it. Returns the final folder."""
+def save(root: Path, step: int, training, loader_state: dict, progress: dict, keep: int) -> Path:
+    """Collective: every rank calls it with its training layout (parallel.FSDPTraining or ddp.DDP).
+    Returns the final folder."""
     rank = dist.get_rank()
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
@@ -59,8 +59,7 @@ def save(root: Path, step: int, model, optimizer, loader_state: dict, progress: 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save(training.state_dict(), checkpoint_id=str(tmp))
     torch.save(loader_state, tmp / f"loader_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
@@ -73,39 +72,35 @@ def save(root: Path, step: int, model, optimizer, loader_state: dict, progress: 
     return final
 
 
-def load(path: Path, model, optimizer) -> tuple[dict, dict]:
-    """Collective: restores model and optimizer in place; returns (progress, this rank's loader state)."""
+def load(path: Path, training) -> tuple[dict, dict]:
+    """Collective: restores weights and optimizer in place; returns (progress, this rank's loader state)."""
     progress = torch.load(path / "progress.pt", weights_only=True)
     world = dist.get_world_size()
     if progress["world_size"] != world:
         raise RuntimeError(f"checkpoint {path} was written by {progress['world_size']} ranks, this run has {world}; "
                            "the loader state cannot be split differently (resume with the same node/GPU count)")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    if progress.get("strategy", "fsdp") != training.strategy:
+        raise RuntimeError(f"checkpoint {path} was written with parallel.strategy={progress.get('strategy', 'fsdp')}, "
+                           f"this run uses {training.strategy}; resume with the same strategy")
+    state = training.state_dict()
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    training.load_state_dict(state)
     loader = torch.load(path / f"loader_rank{dist.get_rank()}.pt", weights_only=True)
     return progress, loader
 
 
-def _write_diffusers(config, state_dict: dict, out: Path) -> None:
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        plain = FluxTransformer2DModel.from_config(config)
-    plain.load_state_dict(state_dict, assign=True, strict=True)
-    plain.save_pretrained(str(out), safe_serialization=True)
-
-
 def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
-    """Offline export of a DCP checkpoint in one process (no GPU, no process group)."""
+    """Offline export of a DCP checkpoint's weights as a diffusers folder, in one process (no GPU, no process
+    group). fsdp runs save fp32 weights, ddp runs their bf16 copy (the fp32 master is sharded by
+    flat position, not by tensor)."""
+    from flux_train.diffusers_adapter import save_diffusers
     from flux_train.model import build_model
 
     model = build_model(cfg.model, rmsnorm_impl="torch")
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    _write_diffusers(model.config, state["model"], out)
+    save_diffusers(state["model"], cfg.model, out)
 
 
 def main(argv=None) -> int:

@@ -40,6 +40,9 @@ class ModelConfig:
     joint_attention_dim: int = 4096
     pooled_projection_dim: int = 768
     axes_dims_rope: list[int] = field(default_factory=lambda: [16, 56, 56])
+    # start from these weights instead of the reference init: a local diffusers FluxTransformer2DModel folder
+    # (or a FLUX.1 pipeline folder with transformer/) or a black-forest-labs .safetensors file
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -99,6 +102,14 @@ class EvalConfig:
 
 @dataclass
 class ParallelConfig:
+    # fsdp: weights, gradients and optimizer state sharded (FSDP2), weights gathered every micro-batch: fits
+    # 80 GB GPUs. ddp: bf16 weights and gradients replicated, fp32 master weights and AdamW state sharded over
+    # dp_shard; one reduce-scatter and one all-gather per optimizer step (needs ~4 bytes per parameter plus
+    # 16/dp_shard: 141 GB and larger GPUs)
+    strategy: Literal["fsdp", "ddp"] = "fsdp"
+    # gradient reduction dtype; auto: float32 under fsdp, the compute dtype under ddp (as the MLPerf
+    # submissions reduce); ddp reduces in the compute dtype only
+    reduce_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # -1: all ranks of a node shard, nodes replicate (HSDP); 1 replicate = plain FSDP over all ranks
     dp_shard: int = -1
     dp_replicate: int = -1
@@ -109,11 +120,13 @@ class ParallelConfig:
 
 @dataclass
 class PerfConfig:
-    compile: Literal["none", "block", "stack"] = "none"
+    compile: Literal["none", "block"] = "none"
     cuda_graphs: bool = False
     rmsnorm: Literal["auto", "triton", "torch"] = "auto"
     attention: Literal["flash", "efficient", "cudnn", "math", "auto"] = "flash"
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    # ours: flux_train.kernels.fp8; torchao: torchao.float8's Float8Linear (needs torchao installed)
+    fp8_impl: Literal["ours", "torchao"] = "ours"
     # training steps run on synthetic batches before run_start (compile, graphs), weights restored after;
     # their latent side should match the data's (32 for 256x256 images) so compile does not run again
     warmup_iters: int = 0
@@ -374,6 +387,15 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     need(sum(m.axes_dims_rope) == m.attention_head_dim,
          f"model.axes_dims_rope: must sum to attention_head_dim {m.attention_head_dim}, got {m.axes_dims_rope}")
     need(m.in_channels % 4 == 0, f"model.in_channels: must be 4 x latent channels (2x2 patches), got {m.in_channels}")
+    p = cfg.parallel
+    need(not (p.strategy == "ddp" and p.reduce_dtype == "float32" and t.compute_dtype == "bfloat16"),
+         "parallel.reduce_dtype=float32: parallel.strategy=ddp reduces gradients in the compute dtype (bf16); "
+         "use parallel.strategy=fsdp for fp32 reduction, or reduce_dtype=auto")
+    need(not cfg.perf.cuda_graphs or p.strategy == "ddp",
+         "perf.cuda_graphs: FSDP2 gathers weights into fresh buffers every step, which a CUDA graph cannot "
+         "replay; set parallel.strategy=ddp (weights and gradient buffers stay in place)")
+    need(not cfg.perf.cuda_graphs or cfg.perf.warmup_iters >= 1,
+         "perf.cuda_graphs: graphs are captured during the warm-up before run_start; set perf.warmup_iters >= 1")
     need(cfg.perf.warmup_latent_size > 0 and cfg.perf.warmup_latent_size % 2 == 0,
          f"perf.warmup_latent_size: must be a positive even number (2x2 patches), got {cfg.perf.warmup_latent_size}")
     need(cfg.eval.every_samples > 0, f"eval.every_samples: must be > 0, got {cfg.eval.every_samples}")

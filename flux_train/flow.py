@@ -1,4 +1,4 @@
-"""Rectified-flow math of the MLPerf flux1 task (DESIGN.md §3): latents, noising, target, loss, dropout.
+"""Rectified-flow math of the MLPerf flux1 task (docs/benchmark.md): latents, noising, target, loss, dropout.
 
 Everything that draws random numbers takes an explicit torch.Generator so each data-parallel rank owns its
 stream (noise/timesteps and caption dropout on separate generators) and tests can replay it.
@@ -88,22 +88,25 @@ def caption_dropout(t5: torch.Tensor, clip: torch.Tensor, empty_t5: torch.Tensor
 
 @dataclass
 class ModelInputs:
-    hidden_states: torch.Tensor
-    encoder_hidden_states: torch.Tensor
-    pooled_projections: torch.Tensor
-    timestep: torch.Tensor
+    """The model's keyword arguments (flux_train.model.FluxModel.forward)."""
+
+    img: torch.Tensor
     img_ids: torch.Tensor
+    txt: torch.Tensor
     txt_ids: torch.Tensor
+    timesteps: torch.Tensor
+    y: torch.Tensor
 
     def as_kwargs(self) -> dict:
-        return dict(hidden_states=self.hidden_states, encoder_hidden_states=self.encoder_hidden_states,
-                    pooled_projections=self.pooled_projections, timestep=self.timestep, img_ids=self.img_ids,
-                    txt_ids=self.txt_ids)
+        return dict(img=self.img, img_ids=self.img_ids, txt=self.txt, txt_ids=self.txt_ids, timesteps=self.timesteps,
+                    y=self.y)
 
 
 def build_inputs(batch: dict, t: torch.Tensor, gen: torch.Generator, shift: float, scale: float,
                  dtype: torch.dtype) -> tuple[ModelInputs, torch.Tensor]:
-    """Model inputs and velocity target for a batch (dict of t5, clip, mean, logvar) at timesteps t."""
+    """Model inputs and velocity target for a batch (dict of t5, clip, mean, logvar) at timesteps t.
+    Inputs go to the model in the compute dtype, timesteps included (as the reference's mixed precision casts
+    them); position ids stay fp32 for the RoPE tables."""
     mean, logvar = batch["mean"], batch["logvar"]
     _, _, height, width = mean.shape
     eps_latent = torch.randn(mean.shape, device=mean.device, generator=gen)
@@ -111,11 +114,11 @@ def build_inputs(batch: dict, t: torch.Tensor, gen: torch.Generator, shift: floa
     noise = torch.randn(x0.shape, device=x0.device, generator=gen)
     x_t, target = noised(x0, noise, t)
     inputs = ModelInputs(
-        hidden_states=x_t.to(dtype),
-        encoder_hidden_states=batch["t5"].to(dtype),
-        pooled_projections=batch["clip"].to(dtype),
-        timestep=t.float(),
+        img=x_t.to(dtype),
         img_ids=image_ids(height, width, device=mean.device),
+        txt=batch["t5"].to(dtype),
         txt_ids=text_ids(batch["t5"].shape[1], device=mean.device),
+        timesteps=t.to(dtype),
+        y=batch["clip"].to(dtype),
     )
     return inputs, target

@@ -1,88 +1,257 @@
-"""The Flux DiT: diffusers' FluxTransformer2DModel, built on meta, with the MLPerf reference initialisation.
+"""The Flux DiT in the reference's layout (black-forest-labs `flux`, torchtitan `experiments/flux`).
 
-The reference (torchtitan flux, black-forest-labs layers) fuses q/k/v into one Linear and, in single blocks,
-q/k/v with the MLP input. diffusers splits them, so xavier-uniform bounds here use the fused layers' fans
-(fan_out 3h for q/k/v, 7h for the single-block q/k/v/mlp-in) to draw from exactly the reference's
-distribution. Every parameter is drawn from its own generator (seed, parameter index) as a full tensor
-and then sharded, so the initial weights do not depend on the number of ranks.
+Parameter names are the reference's, so a BFL checkpoint loads as it is and diffusers' layout is a rename
+away (flux_train.diffusers_adapter): double-stream blocks with fused `img_attn.qkv` / `txt_attn.qkv`,
+single-stream blocks with `linear1` (q, k, v and the MLP input in one GEMM) and `linear2`, QK-RMSNorm,
+RoPE in fp32, the time/vector embedders and the final adaLN layer.
+
+Numerics the benchmark fixes: RMSNorm and RoPE in (at least) fp32, the sinusoidal timestep embedding in
+fp32 from `timesteps * 1000` taken in the input's dtype, no attention mask. The model is built on the meta
+device and materialised with the reference initialisation (`init_weights`): every Linear xavier-uniform
+from its own fans with zero bias, the time/vector embedders N(0, 0.02), every adaLN modulation and the final
+projection zero. Each parameter is drawn as a full tensor from its own generator (seed, parameter index)
+and then sharded, so the initial weights do not depend on the number of ranks or the parallel layout.
 """
 from __future__ import annotations
 
 import math
+from typing import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flux_train.config import ModelConfig
 from flux_train.kernels import RMSNorm
-from flux_train.layers import install_forwards
 
-NORM_NAMES = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+TIME_EMBED_DIM = 256
+TIME_FACTOR = 1000.0
+ROPE_THETA = 10_000
+MLP_RATIO = 4
 
 
-def build_model(mcfg: ModelConfig, rmsnorm_impl: str = "auto", fp8: str = "none") -> nn.Module:
-    """The model on the meta device (no memory) with our training forwards (flux_train.layers);
-    materialise with `materialize`."""
-    from diffusers import FluxTransformer2DModel
+# ------------------------------------------------------------------------------------------------ math
 
+def timestep_embedding(t: torch.Tensor, dim: int = TIME_EMBED_DIM, max_period: float = 10_000) -> torch.Tensor:
+    """Sinusoidal embedding [cos | sin] of `t` (already scaled by TIME_FACTOR), computed in fp32."""
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
+    freqs = torch.exp(exponent / half)
+    args = t[:, None].float() * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def rope_tables(ids: torch.Tensor, axes_dim: list[int], theta: int = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [L, head_dim] fp32 for positions `ids` [L, n_axes]: angles in float64, each repeated for the
+    two entries of its interleaved pair."""
+    pos = ids.float()
+    cos, sin = [], []
+    for axis, dim in enumerate(axes_dim):
+        freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=ids.device) / dim)
+        angles = torch.outer(pos[:, axis], freqs)
+        cos.append(angles.cos().repeat_interleave(2, dim=1).float())
+        sin.append(angles.sin().repeat_interleave(2, dim=1).float())
+    return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs in fp32; x [B, L, H, D], cos/sin [L, D]."""
+    xf = x.float()
+    pairs = xf.unflatten(-1, (-1, 2))
+    rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return (xf * cos[None, :, None, :] + rotated * sin[None, :, None, :]).to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pe: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Bidirectional attention over the joint sequence, no mask; q/k/v [B, L, H, D] -> [B, L, H*D]."""
+    q, k = apply_rope(q, *pe), apply_rope(k, *pe)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2).flatten(2)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+def layer_norm(x: torch.Tensor) -> torch.Tensor:
+    """LayerNorm without affine parameters (eps 1e-6), as every norm before a modulation."""
+    return F.layer_norm(x, x.shape[-1:], eps=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ modules
+
+class MLPEmbedder(nn.Module):
+    def __init__(self, in_dim: int, hidden: int):
+        super().__init__()
+        self.in_layer = nn.Linear(in_dim, hidden)
+        self.out_layer = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_layer(F.silu(self.in_layer(x)))
+
+
+class QKNorm(nn.Module):
+    def __init__(self, head_dim: int, rmsnorm_impl: str):
+        super().__init__()
+        self.query_norm = RMSNorm(head_dim, impl=rmsnorm_impl)
+        self.key_norm = RMSNorm(head_dim, impl=rmsnorm_impl)
+
+
+class Modulation(nn.Module):
+    """adaLN: `chunks` vectors (shift, scale, gate, ...) from the conditioning vector."""
+
+    def __init__(self, hidden: int, chunks: int):
+        super().__init__()
+        self.chunks = chunks
+        self.lin = nn.Linear(hidden, chunks * hidden)
+
+    def forward(self, vec: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.lin(F.silu(vec)).chunk(self.chunks, dim=-1)
+
+
+class StreamAttention(nn.Module):
+    """One stream's attention weights; the double block runs the joint attention over both streams."""
+
+    def __init__(self, hidden: int, head_dim: int, rmsnorm_impl: str):
+        super().__init__()
+        self.head_dim = head_dim
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.norm = QKNorm(head_dim, rmsnorm_impl)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.head_dim)).unbind(2)
+        return self.norm.query_norm(q), self.norm.key_norm(k), v
+
+
+def mlp(hidden: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(hidden, MLP_RATIO * hidden), nn.GELU(approximate="tanh"),
+                         nn.Linear(MLP_RATIO * hidden, hidden))
+
+
+class DoubleStreamBlock(nn.Module):
+    def __init__(self, hidden: int, head_dim: int, rmsnorm_impl: str):
+        super().__init__()
+        self.img_mod = Modulation(hidden, 6)
+        self.img_attn = StreamAttention(hidden, head_dim, rmsnorm_impl)
+        self.img_mlp = mlp(hidden)
+        self.txt_mod = Modulation(hidden, 6)
+        self.txt_attn = StreamAttention(hidden, head_dim, rmsnorm_impl)
+        self.txt_mlp = mlp(hidden)
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor,
+                pe: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.img_mod(vec)
+        t_shift, t_scale, t_gate, t_shift_mlp, t_scale_mlp, t_gate_mlp = self.txt_mod(vec)
+        img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(layer_norm(img), shift, scale))
+        txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(layer_norm(txt), t_shift, t_scale))
+        out = attention(torch.cat((txt_q, img_q), 1), torch.cat((txt_k, img_k), 1), torch.cat((txt_v, img_v), 1), pe)
+        txt_out, img_out = out[:, :txt.shape[1]], out[:, txt.shape[1]:]
+        img = img + gate[:, None] * self.img_attn.proj(img_out)
+        img = img + gate_mlp[:, None] * self.img_mlp(modulate(layer_norm(img), shift_mlp, scale_mlp))
+        txt = txt + t_gate[:, None] * self.txt_attn.proj(txt_out)
+        txt = txt + t_gate_mlp[:, None] * self.txt_mlp(modulate(layer_norm(txt), t_shift_mlp, t_scale_mlp))
+        return img, txt
+
+
+class SingleStreamBlock(nn.Module):
+    """Parallel attention + MLP over the joint [txt, img] sequence."""
+
+    def __init__(self, hidden: int, head_dim: int, rmsnorm_impl: str):
+        super().__init__()
+        self.hidden, self.head_dim = hidden, head_dim
+        self.linear1 = nn.Linear(hidden, 3 * hidden + MLP_RATIO * hidden)
+        self.linear2 = nn.Linear(hidden + MLP_RATIO * hidden, hidden)
+        self.norm = QKNorm(head_dim, rmsnorm_impl)
+        self.modulation = Modulation(hidden, 3)
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        shift, scale, gate = self.modulation(vec)
+        qkv, mlp_in = self.linear1(modulate(layer_norm(x), shift, scale)).split(
+            [3 * self.hidden, MLP_RATIO * self.hidden], dim=-1)
+        q, k, v = qkv.unflatten(-1, (3, -1, self.head_dim)).unbind(2)
+        out = attention(self.norm.query_norm(q), self.norm.key_norm(k), v, pe)
+        return x + gate[:, None] * self.linear2(torch.cat((out, F.gelu(mlp_in, approximate="tanh")), dim=2))
+
+
+class LastLayer(nn.Module):
+    def __init__(self, hidden: int, out_channels: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(vec).chunk(2, dim=-1)
+        return self.linear(modulate(layer_norm(x), shift, scale))
+
+
+class FluxModel(nn.Module):
+    """Velocity prediction for packed latents.
+
+    forward(img [B, N, in_channels], img_ids [N, 3], txt [B, L, 4096] T5, txt_ids [L, 3], timesteps [B] in [0, 1],
+    y [B, 768] pooled CLIP) -> [B, N, in_channels]."""
+
+    def __init__(self, cfg: ModelConfig, rmsnorm_impl: str = "auto"):
+        super().__init__()
+        self.cfg = cfg
+        hidden = cfg.num_attention_heads * cfg.attention_head_dim
+        head = cfg.attention_head_dim
+        self.img_in = nn.Linear(cfg.in_channels, hidden)
+        self.time_in = MLPEmbedder(TIME_EMBED_DIM, hidden)
+        self.vector_in = MLPEmbedder(cfg.pooled_projection_dim, hidden)
+        self.txt_in = nn.Linear(cfg.joint_attention_dim, hidden)
+        self.double_blocks = nn.ModuleList(DoubleStreamBlock(hidden, head, rmsnorm_impl)
+                                           for _ in range(cfg.num_layers))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(hidden, head, rmsnorm_impl)
+                                           for _ in range(cfg.num_single_layers))
+        self.final_layer = LastLayer(hidden, cfg.in_channels)
+
+    def forward(self, img, img_ids, txt, txt_ids, timesteps, y) -> torch.Tensor:
+        img = self.img_in(img)
+        vec = self.time_in(timestep_embedding(timesteps * TIME_FACTOR).to(img.dtype)) + self.vector_in(y)
+        txt = self.txt_in(txt)
+        pe = rope_tables(torch.cat((txt_ids, img_ids), dim=0), self.cfg.axes_dims_rope)
+        for block in self.double_blocks:
+            img, txt = block(img, txt, vec, pe)
+        x = torch.cat((txt, img), dim=1)
+        for block in self.single_blocks:
+            x = block(x, vec, pe)
+        return self.final_layer(x[:, txt.shape[1]:], vec)
+
+
+def build_model(mcfg: ModelConfig, rmsnorm_impl: str = "auto") -> FluxModel:
+    """The model on the meta device (no memory); materialise with `materialize`."""
     with torch.device("meta"):
-        model = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=mcfg.in_channels,
-            num_layers=mcfg.num_layers,
-            num_single_layers=mcfg.num_single_layers,
-            attention_head_dim=mcfg.attention_head_dim,
-            num_attention_heads=mcfg.num_attention_heads,
-            joint_attention_dim=mcfg.joint_attention_dim,
-            pooled_projection_dim=mcfg.pooled_projection_dim,
-            guidance_embeds=False,
-            axes_dims_rope=tuple(mcfg.axes_dims_rope),
-        )
-        for module in list(model.modules()):
-            for name in NORM_NAMES:
-                old = getattr(module, name, None)
-                if isinstance(old, nn.RMSNorm):
-                    setattr(module, name, RMSNorm(old.normalized_shape[0], eps=old.eps, impl=rmsnorm_impl))
-    return install_forwards(model, fp8)
+        return FluxModel(mcfg, rmsnorm_impl)
 
 
-def block_stacks(model: nn.Module) -> tuple[nn.ModuleList, nn.ModuleList]:
+def block_stacks(model: FluxModel) -> tuple[nn.ModuleList, nn.ModuleList]:
     """The double-stream and single-stream block lists (the regions we compile and shard)."""
-    return model.transformer_blocks, model.single_transformer_blocks
+    return model.double_blocks, model.single_blocks
 
 
-def _is_zero_init(name: str) -> bool:
-    # adaLN modulation of double blocks (norm1, norm1_context), single blocks (norm), final layer, output proj
-    return (name.endswith(("norm1.linear", "norm1_context.linear", "norm_out.linear"))
-            or (name.startswith("single_transformer_blocks.") and name.endswith(".norm.linear"))
-            or name == "proj_out")
+def is_token_linear(fqn: str, module: nn.Module) -> bool:
+    """The blocks' Linears that run on every token (where FP8 pays); not the adaLN modulations, which run on
+    one row per sample (their weight-gradient GEMM has K = batch)."""
+    return (isinstance(module, nn.Linear) and fqn.startswith(("double_blocks.", "single_blocks."))
+            and not fqn.endswith(("_mod.lin", "modulation.lin")))
 
 
-def _reference_fans(name: str, weight_shape: torch.Size, hidden: int) -> tuple[int, int]:
-    """(fan_in, fan_out) of the reference layer this diffusers Linear is a slice of."""
-    fan_out, fan_in = weight_shape
-    leaf = name.rsplit(".", 1)[-1]
-    if name.startswith("transformer_blocks.") and leaf in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj",
-                                                           "add_v_proj"):
-        return fan_in, 3 * hidden
-    if name.startswith("single_transformer_blocks.") and leaf in ("to_q", "to_k", "to_v", "proj_mlp"):
-        return fan_in, 3 * hidden + int(4 * hidden)
-    return fan_in, fan_out
+# ------------------------------------------------------------------------------------------------ init
 
-
-def init_rule(name: str, module: nn.Module, hidden: int) -> tuple[str, float]:
-    """('zero'|'normal'|'xavier'|'ones', parameter) for a Linear or norm module name."""
+def init_rule(fqn: str, module: nn.Module) -> tuple[str, float]:
+    """('zero' | 'ones' | 'normal' | 'xavier', scale) for the weight of a Linear or RMSNorm by its name."""
     if isinstance(module, RMSNorm):
         return "ones", 0.0
-    if name.startswith("time_text_embed."):
+    if fqn.startswith(("time_in.", "vector_in.")):
         return "normal", 0.02
-    if _is_zero_init(name):
+    if fqn.endswith(("_mod.lin", "modulation.lin", "adaLN_modulation.1")) or fqn == "final_layer.linear":
         return "zero", 0.0
-    fan_in, fan_out = _reference_fans(name, module.weight.shape, hidden)
+    fan_out, fan_in = module.weight.shape
     return "xavier", math.sqrt(6.0 / (fan_in + fan_out))
 
 
-def _full_init(rule: str, scale: float, shape: torch.Size, gen: torch.Generator, device) -> torch.Tensor:
+def _draw(rule: str, scale: float, shape: torch.Size, gen: torch.Generator, device) -> torch.Tensor:
     if rule == "zero":
         return torch.zeros(shape, device=device)
     if rule == "ones":
@@ -90,6 +259,29 @@ def _full_init(rule: str, scale: float, shape: torch.Size, gen: torch.Generator,
     if rule == "normal":
         return torch.empty(shape, device=device).normal_(0.0, scale, generator=gen)
     return torch.empty(shape, device=device).uniform_(-scale, scale, generator=gen)
+
+
+def canonical_name(fqn: str) -> str:
+    """A parameter or module name without the wrappers compile and activation checkpointing insert."""
+    return fqn.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
+
+
+def reference_init(model: nn.Module, seed: int, device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(parameter name, full fp32 initial value) for every parameter, in a fixed order; each weight from its
+    own generator (seed, module index), so the values do not depend on how the parameters are laid out."""
+    index = 0
+    for fqn, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, RMSNorm)):
+            continue
+        prefix = canonical_name(fqn)
+        weight = module.scale if isinstance(module, RMSNorm) else module.weight
+        rule, scale = init_rule(prefix, module)
+        gen = torch.Generator(device=device).manual_seed(seed * 100_003 + index)
+        index += 1
+        yield (f"{prefix}.scale" if isinstance(module, RMSNorm) else f"{prefix}.weight",
+               _draw(rule, scale, weight.shape, gen, device))
+        if getattr(module, "bias", None) is not None:
+            yield f"{prefix}.bias", torch.zeros(module.bias.shape, device=device)
 
 
 @torch.no_grad()
@@ -103,22 +295,31 @@ def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-@torch.no_grad()
+def check_weights(model: nn.Module, values: dict[str, torch.Tensor], source: str) -> None:
+    """Raise ValueError naming the first missing, unexpected or misshapen tensor of a full state dict."""
+    params = {canonical_name(n): p for n, p in model.named_parameters()}
+    for name, p in params.items():
+        if name not in values:
+            raise ValueError(f"{source}: no tensor '{name}' (is it a FLUX.1 transformer of flavor {model.cfg.flavor}?)")
+        if tuple(values[name].shape) != tuple(p.shape):
+            raise ValueError(f"{source}: '{name}' has shape {tuple(values[name].shape)}, the model "
+                             f"'{model.cfg.flavor}' needs {tuple(p.shape)}")
+    extra = sorted(set(values) - set(params))
+    if extra:
+        raise ValueError(f"{source}: unexpected tensor '{extra[0]}' ({len(extra)} in all) for flavor {model.cfg.flavor}")
+
+
+def assign_weights(model: nn.Module, values: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy full tensors into a plain or FSDP-sharded model's parameters, by canonical name."""
+    params = {canonical_name(n): p for n, p in model.named_parameters()}
+    for name, full in values:
+        _assign(params[name], full.to(params[name].device, torch.float32))
+
+
 def init_weights(model: nn.Module, seed: int) -> None:
-    """Reference initialisation; identical weights for any sharding (see module docstring)."""
-    hidden = model.config.num_attention_heads * model.config.attention_head_dim
-    index = 0
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, RMSNorm)):
-            continue
-        rule, scale = init_rule(name, module, hidden)
-        weight = module.weight
-        device = weight.device
-        gen = torch.Generator(device=device).manual_seed(seed * 100_003 + index)
-        _assign(weight, _full_init(rule, scale, weight.shape, gen, device))
-        index += 1
-        if getattr(module, "bias", None) is not None:
-            _assign(module.bias, torch.zeros(module.bias.shape, device=device))
+    """Reference initialisation in place, for a plain or FSDP-sharded model."""
+    device = next(model.parameters()).device
+    assign_weights(model, reference_init(model, seed, device))
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
@@ -137,12 +338,13 @@ def flops_per_sample(mcfg: ModelConfig, text_len: int, image_tokens: int) -> flo
     h = mcfg.num_attention_heads * mcfg.attention_head_dim
     blocks = mcfg.num_layers + mcfg.num_single_layers
     seq = text_len + image_tokens
-    # each token passes 12h^2 weights per block in either block type (anchors.md §4)
+    # each token passes 12h^2 weights per block in either block type (qkv 3h^2 + proj h^2 + MLP 8h^2, or
+    # linear1 7h^2 + linear2 5h^2)
     block_matmul = 2 * blocks * 12 * h * h * seq
-    attention = blocks * 4 * seq * seq * h
+    attention_flops = blocks * 4 * seq * seq * h
     io = 2 * (mcfg.in_channels * h * image_tokens + mcfg.joint_attention_dim * h * text_len
               + h * mcfg.in_channels * image_tokens)
     # once per sample: adaLN modulations (6h^2 per double stream, 3h^2 single, 2h^2 final), time/text MLPs
     per_sample_weights = (mcfg.num_layers * 2 * 6 * h * h + mcfg.num_single_layers * 3 * h * h + 2 * h * h
-                          + 256 * h + h * h + mcfg.pooled_projection_dim * h + h * h)
-    return 3.0 * (block_matmul + attention + io + 2 * per_sample_weights)
+                          + TIME_EMBED_DIM * h + h * h + mcfg.pooled_projection_dim * h + h * h)
+    return 3.0 * (block_matmul + attention_flops + io + 2 * per_sample_weights)

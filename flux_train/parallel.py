@@ -1,4 +1,5 @@
-"""torch.distributed from the environment, the data-parallel mesh, FSDP2/HSDP wrapping.
+"""torch.distributed from the environment, the data-parallel mesh, and the training layouts: FSDP2/HSDP
+(`FSDPTraining`, here) or replicated weights with a sharded optimizer (flux_train.ddp.DDP).
 
 A run always has a process group (world size 1 when started without a launcher), so one code path
 shards, reduces and checkpoints whether it runs on one CPU or on many nodes.
@@ -8,14 +9,17 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
-
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from flux_train.config import ParallelConfig
+from flux_train.config import ParallelConfig, TrainConfig
+from flux_train.ddp import DDP
+from flux_train.model import assign_weights, block_stacks
+from flux_train.optim import build_optimizer, clip_grad_norm, set_lr
 
 
 @dataclass
@@ -77,28 +81,93 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, param_dtype: torch.dtype,
-                wrap_block: Optional[Callable[[nn.Module], nn.Module]] = None) -> nn.Module:
-    """Per block: activation checkpointing (optional) -> `wrap_block` (compile) -> fully_shard; root last."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def reduce_dtype(pcfg: ParallelConfig, compute_dtype: torch.dtype) -> torch.dtype:
+    if pcfg.reduce_dtype == "auto":
+        return torch.float32 if pcfg.strategy == "fsdp" else compute_dtype
+    return torch.float32 if pcfg.reduce_dtype == "float32" else torch.bfloat16
 
-    from flux_train.model import block_stacks
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+def parallelize(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, param_dtype: torch.dtype) -> nn.Module:
+    """FSDP2 per block (blocks already compiled / checkpoint-wrapped), root last. Inputs are not cast: the
+    trainer passes them in the compute dtype and the RoPE tables stay fp32. Each block prefetches the next
+    one's weights in forward and the previous one's in backward."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype(pcfg, param_dtype),
+                              cast_forward_inputs=False)
     shard_mesh = fsdp_mesh(mesh)
-    for stack in block_stacks(model):
-        for i, block in enumerate(stack):
-            if pcfg.activation_checkpointing:
-                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-                block = checkpoint_wrapper(block, preserve_rng_state=False)
-            if wrap_block is not None:
-                block = wrap_block(block)
-            fully_shard(block, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=pcfg.reshard_after_forward)
-            stack[i] = block
+    blocks = [block for stack in block_stacks(model) for block in stack]
+    for block in blocks:
+        fully_shard(block, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=pcfg.reshard_after_forward)
+    for before, after in zip(blocks, blocks[1:]):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
     # the root's parameters are used again first in backward: keep them gathered after forward
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=False)
     return model
+
+
+class FSDPTraining:
+    """`parallel.strategy: fsdp`: FSDP2 over the mesh, torch's fused AdamW on the sharded fp32 weights.
+    Same interface as flux_train.ddp.DDP (start_micro_batch, finish_backward, step, ...)."""
+
+    strategy = "fsdp"
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, tcfg: TrainConfig,
+                 dtype: torch.dtype, device: torch.device):
+        self.model = parallelize(model, mesh, pcfg, dtype)
+        self.model.to_empty(device=device)
+        self.optimizer = build_optimizer(self.model, tcfg)
+        self.tcfg = tcfg
+
+    def assign_weights(self, values) -> None:
+        """Full fp32 tensors by name (model.reference_init, or loaded weights) into the shards."""
+        assign_weights(self.model, values)
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        # every micro-batch reduce-scatters into the sharded fp32 grads (skipping it keeps unsharded grads of
+        # all 12B parameters: out of memory on H200 at micro-batch 16); the HSDP all-reduce across replicas
+        # waits for the last micro-batch
+        self.model.set_requires_all_reduce(index == count - 1)
+
+    def finish_backward(self) -> None:
+        pass
+
+    def step(self, lr: float) -> torch.Tensor:
+        set_lr(self.optimizer, lr)
+        norm = clip_grad_norm(self.model, self.tcfg.grad_clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def wait_params(self) -> None:
+        pass
+
+    def reset_optimizer(self) -> None:
+        self.optimizer.state.clear()  # AdamW re-creates zero moments and step 0 at the next step
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Activation checkpointing per block (before compile and sharding): backward recomputes each block."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for stack in block_stacks(model):
+        for i, block in enumerate(stack):
+            stack[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    return model
+
+
+def build_training(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, tcfg: TrainConfig,
+                   dtype: torch.dtype, device: torch.device) -> FSDPTraining | DDP:
+    """The model's training layout, weights allocated on `device`, not yet initialised."""
+    if pcfg.strategy == "ddp":
+        return DDP(model, mesh, tcfg, dtype, device)
+    return FSDPTraining(model, mesh, pcfg, tcfg, dtype, device)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

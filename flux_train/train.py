@@ -17,17 +17,18 @@ import torch
 import yaml
 
 from flux_train import checkpoint, flow
-from flux_train.compile import block_wrapper, select_attention_backend
 from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
 from flux_train.data import LATENT_CHANNELS, DataError, build_data
+from flux_train.diffusers_adapter import load_pretrained
 from flux_train.evaluate import evaluate
 from flux_train.metrics import Metrics
 from flux_train.mllog import C, MLLogger
-from flux_train.model import build_model, count_params, flops_per_sample, materialize
-from flux_train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from flux_train.parallel import all_reduce_sum, init_distributed, parallelize, shutdown
+from flux_train.model import build_model, check_weights, count_params, flops_per_sample, reference_init
+from flux_train.optim import lr_at
+from flux_train.parallel import all_reduce_sum, build_training, checkpoint_blocks, init_distributed, shutdown
+from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
 
-# diffusers blocks return views; we never modify them in place, which is what this FSDP2 warning is about
+# blocks return slices of their joint sequence; we never modify them in place, which this FSDP2 warning is about
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved a checkpoint on Slurm's warning signal; the launcher requeues
@@ -56,22 +57,26 @@ class Trainer:
         self.device = self.dist.device
         self.dtype = DTYPES[t.compute_dtype]
         self.accum = accumulation_steps(cfg, self.dist.world_size)
-        if cfg.perf.cuda_graphs:
-            raise ConfigError("perf.cuda_graphs: FSDP2 training steps cannot be captured (per-step all-gather and "
-                              "reduce-scatter buffers); graphs apply to the one-GPU path of python -m flux_train.bench")
         if self.device.type == "cuda" and cfg.perf.attention == "flash" and self.dtype == torch.float32:
             raise ConfigError("perf.attention=flash needs train.compute_dtype=bfloat16 (flash SDPA has no fp32 "
                               "kernel); set perf.attention=auto for fp32 runs")
+        if cfg.perf.cuda_graphs and self.device.type != "cuda":
+            raise ConfigError("perf.cuda_graphs needs a GPU; set perf.cuda_graphs=false on the CPU")
         select_attention_backend(cfg.perf.attention)
-        self.model = build_model(cfg.model, cfg.perf.rmsnorm, cfg.perf.fp8)
-        self.n_params = count_params(self.model)
-        try:
-            wrap = block_wrapper(cfg.perf.compile)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        parallelize(self.model, self.dist.mesh, cfg.parallel, self.dtype, wrap_block=wrap)
-        materialize(self.model, self.device, t.seed)
-        self.optimizer = build_optimizer(self.model, t)
+        model = build_model(cfg.model, cfg.perf.rmsnorm)
+        self.n_params = count_params(model)
+        initial = self._initial_weights(model)
+        apply_fp8(model, cfg.perf.fp8, cfg.perf.fp8_impl, self.device)
+        if cfg.parallel.activation_checkpointing:
+            checkpoint_blocks(model)
+        compile_blocks(model, cfg.perf.compile)
+        self.training = build_training(model, self.dist.mesh, cfg.parallel, t, self.dtype, self.device)
+        self.model = self.training.model
+        self.training.assign_weights(initial)
+        # CUDA graphs of forward + backward, one per micro-batch position (first/middle/last), captured during
+        # warm-up; the inputs live in static buffers
+        self.graphs: dict[tuple[bool, bool], CudaGraph] = {}
+        self.static: tuple[dict, torch.Tensor] | None = None
         self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
         self.empty_t5 = self.data.empty_t5.to(self.device)
         self.empty_clip = self.data.empty_clip.to(self.device)
@@ -80,7 +85,7 @@ class Trainer:
         self.stop_requested = False
         self.flops_per_sample: float | None = None
         if self.resume_from is not None:
-            progress, loader_state = checkpoint.load(self.resume_from, self.model, self.optimizer)
+            progress, loader_state = checkpoint.load(self.resume_from, self.training)
             self.step, self.eval_count = progress["step"], progress["eval_count"]
             self.data.train.load_state_dict(loader_state)
             if self.dist.is_main:
@@ -88,16 +93,29 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         progress = {"step": self.step, "eval_count": self.eval_count, "world_size": self.dist.world_size,
-                    "samples": self.step * self.cfg.train.global_batch_size}
-        path = checkpoint.save(checkpoint.checkpoint_dir(self.cfg), self.step, self.model, self.optimizer,
+                    "samples": self.step * self.cfg.train.global_batch_size, "strategy": self.training.strategy}
+        path = checkpoint.save(checkpoint.checkpoint_dir(self.cfg), self.step, self.training,
                                self.data.train.state_dict(), progress, self.cfg.checkpoint.keep)
         if self.dist.is_main:
             print(f"flux-train: saved checkpoint {path}", flush=True)
         return path
 
+    def _initial_weights(self, model):
+        """(name, full tensor) for every parameter: model.init_from's weights, or the reference init."""
+        source = self.cfg.model.init_from
+        if source is None:
+            return reference_init(model, self.cfg.train.seed, self.device)
+        try:
+            values = load_pretrained(source, self.cfg.model)
+            check_weights(model, values, f"model.init_from={source}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return iter(values.items())
+
     # ------------------------------------------------------------------ one optimizer step
 
-    def _micro_batch(self, batch: dict, micro_index: int) -> torch.Tensor:
+    def _inputs(self, batch: dict, micro_index: int) -> tuple[dict, torch.Tensor]:
+        """Model inputs (kwargs) and target of one micro-batch: latent sampling, caption dropout, noising."""
         t = self.cfg.train
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         global_micro = self.dist.rank * self.accum + micro_index
@@ -108,50 +126,71 @@ class Trainer:
         timesteps = torch.rand(batch["t5"].shape[0], device=self.device, generator=gen)
         inputs, target = flow.build_inputs(batch, timesteps, gen, t.latent_shift, t.latent_scale, self.dtype)
         if self.flops_per_sample is None:  # from the data's shapes, known at the first batch
-            self.flops_per_sample = flops_per_sample(self.cfg.model, inputs.encoder_hidden_states.shape[1],
-                                                     inputs.hidden_states.shape[1])
-        pred = self.model(**inputs.as_kwargs())
-        return flow.mse_loss(pred, target)
+            self.flops_per_sample = flops_per_sample(self.cfg.model, inputs.txt.shape[1], inputs.img.shape[1])
+        return inputs.as_kwargs(), target
+
+    def _forward_backward(self, inputs: dict, target: torch.Tensor, micro: int) -> torch.Tensor:
+        """Loss / accum of one micro-batch, gradients accumulated; after the last one, reduced (ddp)."""
+        self.training.start_micro_batch(micro, self.accum)
+        loss = flow.mse_loss(self.model(**inputs), target) / self.accum
+        loss.backward()
+        if micro == self.accum - 1:
+            self.training.finish_backward()
+        return loss.detach()
+
+    def _graphed_forward_backward(self, inputs: dict, target: torch.Tensor, micro: int) -> torch.Tensor:
+        if self.static is None:
+            self.static = ({k: v.clone() for k, v in inputs.items()}, target.clone())
+        static_inputs, static_target = self.static
+        for k, v in inputs.items():
+            if v.shape != static_inputs[k].shape:
+                raise DataError(f"perf.cuda_graphs: batch input '{k}' has shape {tuple(v.shape)}, the captured "
+                                f"graphs {tuple(static_inputs[k].shape)} (perf.warmup_latent_size and the empty "
+                                "encodings' text length must match the data)")
+            static_inputs[k].copy_(v)
+        static_target.copy_(target)
+        kind = (micro == 0, micro == self.accum - 1)
+        if kind not in self.graphs:
+            pool = next(iter(self.graphs.values())).pool() if self.graphs else None
+            self.graphs[kind] = CudaGraph(lambda: self._forward_backward(static_inputs, static_target, micro),
+                                          pool=pool)
+        return self.graphs[kind]().clone()
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
-        t = self.cfg.train
-        set_lr(self.optimizer, lr_at(self.step, t.lr, t.warmup_steps))
+        return self._step(lambda: next(self.data.train), lr_at(self.step, self.cfg.train.lr, self.cfg.train.warmup_steps))
+
+    def _step(self, next_batch, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
+        if self.cfg.perf.cuda_graphs:  # a replay does not run the gather waits of the forward hooks
+            self.training.wait_params()
         for micro in range(self.accum):
             t0 = time.perf_counter()
-            batch = next(self.data.train)
+            batch = next_batch()
             data_wait += time.perf_counter() - t0
-            # every micro-batch reduce-scatters into the sharded fp32 grads (skipping it keeps unsharded grads of
-            # all 12B parameters: out of memory on H200 at micro-batch 16); the HSDP all-reduce across
-            # replicas waits for the last micro-batch
-            self.model.set_requires_all_reduce(micro == self.accum - 1)
-            loss = self._micro_batch(batch, micro) / self.accum
-            loss.backward()
-            loss_sum += loss.detach()
-        grad_norm = clip_grad_norm(self.model, t.grad_clip_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            inputs, target = self._inputs(batch, micro)
+            run = self._graphed_forward_backward if self.cfg.perf.cuda_graphs else self._forward_backward
+            loss_sum += run(inputs, target, micro)
+        grad_norm = self.training.step(lr)
         self.step += 1
         return loss_sum, grad_norm, data_wait
 
     def warm_up(self, iters: int) -> None:
-        """Compile and tune before run_start on synthetic tensors (the rules start the clock before any data is
-        read): steps with lr 0 leave the weights as they are, then the optimizer state and grads are reset.
-        Text length comes from the empty encodings, the latent side from perf.warmup_latent_size."""
+        """Compile, tune and capture graphs before run_start on synthetic tensors (the rules start the clock
+        before any data is read): steps with lr 0 leave the weights as they are, then the optimizer state is
+        reset. Text length comes from the empty encodings, the latent side from perf.warmup_latent_size."""
         if iters <= 0:
             return
         b, side = self.cfg.train.micro_batch_size, self.cfg.perf.warmup_latent_size
         batch = {"t5": self.data.empty_t5.expand(b, -1, -1).clone(), "clip": self.data.empty_clip.expand(b, -1).clone(),
                  "mean": torch.zeros(b, LATENT_CHANNELS, side, side, dtype=torch.bfloat16),
                  "logvar": torch.full((b, LATENT_CHANNELS, side, side), -4.0, dtype=torch.bfloat16)}
-        set_lr(self.optimizer, 0.0)
+        step = self.step
         for _ in range(iters):
-            self._micro_batch(batch, 0).backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer.state.clear()  # AdamW re-creates zero moments and step 0 at the first real step
+            self._step(lambda: batch, lr=0.0)
+        self.step = step
+        self.training.reset_optimizer()  # AdamW starts from zero moments and step 0 at the first real step
         self.flops_per_sample = None  # measured again on the first real batch
 
     # ------------------------------------------------------------------ eval and the loop

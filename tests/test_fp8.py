@@ -3,16 +3,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flux_train.kernels.fp8 import E4M3_MAX, linear, quantize
+from flux_train.kernels.fp8 import FP8Linear, convert_to_fp8, e4m3_dtype, linear, quantize
 
 
+@pytest.mark.parametrize("arch,dtype", [
+    (None, torch.float8_e4m3fn),  # NVIDIA (and the CPU emulation)
+    ("gfx942:sramecc+:xnack-", torch.float8_e4m3fnuz),  # MI300X / MI325X: the fnuz formats only
+    ("gfx942", torch.float8_e4m3fnuz),
+    ("gfx950:sramecc+:xnack-", torch.float8_e4m3fn),  # MI355X: OCP formats
+    ("gfx90a", torch.float8_e4m3fn),
+])
+def test_e4m3_format_follows_the_gpu(arch, dtype):
+    assert e4m3_dtype(arch) == dtype
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
 @pytest.mark.parametrize("dim", [None, 0, 1])
-def test_quantize_round_trip_within_e4m3_precision(dim):
+def test_quantize_round_trip_within_e4m3_precision(dim, fp8):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 48, generator=g) * torch.logspace(-3, 3, 48)  # outlier columns
-    q, scale = quantize(x, dim)
-    assert q.dtype == torch.float8_e4m3fn
-    assert q.float().abs().max() <= E4M3_MAX
+    q, scale = quantize(x, dim, fp8)
+    assert q.dtype == fp8
+    assert q.float().abs().max() <= torch.finfo(fp8).max  # 448 (fn) or 240 (fnuz)
     back = q.float() * scale
     # 3 mantissa bits: relative rounding error <= 2^-4 for values in the normal range of their scale group
     normal = x.abs() >= scale * 2 ** -6
@@ -41,6 +53,24 @@ def test_fp8_linear_forward_and_grads_track_bf16(recipe):
     assert rel(y, y_ref) < 0.05
     for got, ref in zip(grads, (x.grad, w.grad, b.grad)):
         assert rel(got, ref.float()) < 0.06
+
+
+def test_convert_to_fp8_swaps_only_the_token_linears_and_keeps_the_weights():
+    from flux_train.config import ModelConfig
+    from flux_train.model import build_model, is_token_linear, materialize
+
+    cfg = ModelConfig(flavor="t", num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                      axes_dims_rope=[4, 6, 6])
+    model = materialize(build_model(cfg), torch.device("cpu"), seed=0)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    convert_to_fp8(model, "tensorwise", torch.float8_e4m3fnuz, is_token_linear)
+    fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, FP8Linear))
+    assert fp8 == ["double_blocks.0.img_attn.proj", "double_blocks.0.img_attn.qkv", "double_blocks.0.img_mlp.0",
+                   "double_blocks.0.img_mlp.2", "double_blocks.0.txt_attn.proj", "double_blocks.0.txt_attn.qkv",
+                   "double_blocks.0.txt_mlp.0", "double_blocks.0.txt_mlp.2", "single_blocks.0.linear1",
+                   "single_blocks.0.linear2"]
+    assert all(m.fp8_dtype == torch.float8_e4m3fnuz for m in model.modules() if isinstance(m, FP8Linear))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
 def test_shapes_not_divisible_by_16_fall_back_to_bf16():

@@ -1,13 +1,16 @@
-"""GPU checks (marker gpu; skipped without a GPU, run on the device machine): the Triton RMSNorm against a
-float64 reference, compiled and graphed steps against eager, the attention backend."""
+"""GPU checks (marker gpu; skipped without a GPU, run on the device machine): the Triton RMSNorm and AdamW
+kernels against references, compiled and graphed steps against eager (model and trainer), the attention
+backend, FP8 on tensor cores against its CPU emulation."""
+import json
+
 import pytest
 import torch
 
 from flux_train import flow
-from flux_train.compile import GraphedStep, compile_unsharded, select_attention_backend
 from flux_train.config import ModelConfig
 from flux_train.kernels import rms_norm, rms_norm_torch
 from flux_train.model import build_model, materialize
+from flux_train.perf import CudaGraph, compile_blocks, select_attention_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -48,16 +51,16 @@ def small_model(rmsnorm="auto", compile_mode="none"):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    return compile_unsharded(model.to(torch.bfloat16), compile_mode), cfg
+    return compile_blocks(model.to(torch.bfloat16), compile_mode), cfg
 
 
 def inputs(cfg, batch=4):
     g = torch.Generator(device="cuda").manual_seed(1)
-    kw = dict(hidden_states=torch.randn(batch, 64, 64, device="cuda", generator=g).bfloat16(),
-              encoder_hidden_states=torch.randn(batch, 32, 4096, device="cuda", generator=g).bfloat16(),
-              pooled_projections=torch.randn(batch, 768, device="cuda", generator=g).bfloat16(),
-              timestep=torch.rand(batch, device="cuda", generator=g), img_ids=flow.image_ids(16, 16, "cuda"),
-              txt_ids=flow.text_ids(32, "cuda"))
+    kw = dict(img=torch.randn(batch, 64, 64, device="cuda", generator=g).bfloat16(),
+              img_ids=flow.image_ids(16, 16, "cuda"),
+              txt=torch.randn(batch, 32, 4096, device="cuda", generator=g).bfloat16(),
+              txt_ids=flow.text_ids(32, "cuda"), timesteps=torch.rand(batch, device="cuda", generator=g).bfloat16(),
+              y=torch.randn(batch, 768, device="cuda", generator=g).bfloat16())
     return kw, torch.randn(batch, 64, 64, device="cuda", generator=g)
 
 
@@ -84,7 +87,7 @@ def test_compiled_and_graphed_steps_match_eager():
 
     compiled, _ = small_model(rmsnorm="triton")
     compiled.load_state_dict(eager.state_dict())
-    compile_unsharded(compiled, "block")
+    compile_blocks(compiled, "block")
     loss_c, grads_c = loss_and_grads(compiled, kw, target)
     assert loss_c == pytest.approx(loss_e, rel=2e-2)
     assert_grads_close(grads_e, grads_c)
@@ -92,11 +95,13 @@ def test_compiled_and_graphed_steps_match_eager():
     params = list(compiled.parameters())
 
     def step():
+        for p in params:
+            p.grad = None
         loss = flow.mse_loss(compiled(**kw), target)
         loss.backward()
         return loss.detach()
 
-    graphed = GraphedStep(step, params)
+    graphed = CudaGraph(step)
     loss_g = graphed().item()
     assert loss_g == pytest.approx(loss_c, rel=1e-3)
     assert_grads_close(grads_c, {n.replace("._orig_mod", ""): p.grad.float() for n, p in compiled.named_parameters()})
@@ -130,3 +135,50 @@ def test_fp8_linear_on_tensor_cores_matches_its_cpu_emulation(recipe):
         results[device] = [t.float().cpu() for t in (y, xd.grad, wd.grad)]
     for cpu, gpu in zip(results["cpu"], results["cuda"]):
         assert ((gpu - cpu).norm() / cpu.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("n", [1, 4097, 3_000_000])
+def test_triton_adamw_matches_torch_adamw_with_clipping(n):
+    """Our one-pass AdamW (bf16 grads, fp32 master and moments, bf16 copy out, clip factor on the device) against
+    torch.optim.AdamW on fp32 copies after clipping the same way, over 5 steps with weight decay."""
+    from flux_train.kernels.adamw import adamw_step
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    master = torch.randn(n, device="cuda", generator=g)
+    ref = torch.nn.Parameter(master.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    m, v, out = torch.zeros_like(master), torch.zeros_like(master), torch.full((n,), float("nan"), device="cuda",
+                                                                               dtype=torch.bfloat16)
+    for step in range(1, 6):
+        grad = (torch.randn(n, device="cuda", generator=g) * 3).bfloat16()
+        coef = torch.tensor([0.5 if step % 2 else 1.0], device="cuda")  # clipping on every other step
+        adamw_step(master, m, v, grad, out, coef, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                   step=step)
+        ref.grad = grad.float() * coef
+        opt.step()
+        torch.testing.assert_close(master, ref.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(out, master.bfloat16())
+    torch.testing.assert_close(m, opt.state[ref]["exp_avg"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(v, opt.state[ref]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+
+
+def test_trainer_graphed_steps_equal_eager_steps(tmp_path):
+    """perf.cuda_graphs (ddp layout, compiled blocks, accumulation 3 = first/middle/last graphs) trains like the
+    eager step: losses and grad norms over 6 steps."""
+    from flux_train.train import main
+
+    runs = {}
+    for graphs in (False, True):
+        out = tmp_path / f"graphs{graphs}"
+        args = ["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", "train.device=cuda",
+                "--set", "train.compute_dtype=bfloat16", "--set", "perf.attention=flash", "--set", "perf.compile=block",
+                "--set", "parallel.strategy=ddp", "--set", f"perf.cuda_graphs={str(graphs).lower()}",
+                "--set", "perf.warmup_iters=1", "--set", "perf.warmup_latent_size=8", "--set", "train.max_steps=6",
+                "--set", "train.micro_batch_size=2", "--set", "train.global_batch_size=6", "--set", "eval.enabled=false",
+                "--set", "logging.log_every=1", "--set", "logging.progress_bar=false", "--set", f"logging.out_dir={out}"]
+        assert main(args) == 0
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[graphs] = ([r["loss"] for r in rows if "loss" in r], [r["grad_norm"] for r in rows if "grad_norm" in r])
+    assert len(runs[True][0]) == 6
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-2)
+    assert runs[True][1] == pytest.approx(runs[False][1], rel=2e-2)

@@ -22,28 +22,48 @@ def run(out, nproc, extra=()):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("micro,extra", [
-    (4, []),  # FSDP over 2 ranks: GBS 8 = micro 4 x 2 ranks (one rank: micro 4 x accumulation 2)
-    # HSDP, 2 replicas of 1 shard, micro 2 x accumulation 2 (one rank: accumulation 4); the random draws follow
-    # the global micro-batch index, so both runs must split the batch into the same micro-batches
-    (2, ["--set", "parallel.dp_replicate=2"]),
-], ids=["fsdp", "hsdp-accumulation"])
-def test_two_ranks_match_one_rank(tmp_path, micro, extra):
-    size = ["--set", f"train.micro_batch_size={micro}"]
-    one = run(tmp_path / "one", 1, size)
-    two = run(tmp_path / "two", 2, size + extra)
-    loss1 = [r["loss"] for r in one if "loss" in r]
-    loss2 = [r["loss"] for r in two if "loss" in r]
+def column(rows, key):
+    return [r[key] for r in rows if key in r]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """Today's step on one rank: FSDP2, fp32 reduce, clipping as its own pass, micro 2 x accumulation 4."""
+    return run(tmp_path_factory.mktemp("one"), 1, ["--set", "train.micro_batch_size=2"])
+
+
+# the random draws follow the global micro-batch index, so every run splits GBS 8 into the same micro-batches of 2
+@pytest.mark.parametrize("nproc,extra", [
+    (2, ["--set", "parallel.dp_replicate=2"]),  # HSDP: 2 replicas of 1 shard, accumulation 2
+    (1, ["--set", "parallel.strategy=ddp"]),  # flat buffers, clipping folded into the AdamW kernel, accumulation 4
+    (2, ["--set", "parallel.strategy=ddp"]),  # + one reduce-scatter / all-gather per step after 2 micro-batches
+    (2, ["--set", "parallel.strategy=ddp", "--set", "parallel.dp_replicate=2"]),  # + the shard all-reduce
+], ids=["fsdp-hsdp", "ddp-1", "ddp-2", "ddp-hsdp"])
+def test_layouts_and_rank_counts_match_one_rank(tmp_path, one_rank, nproc, extra):
+    """fp32 compute: every layout computes the same step, so losses, grad norms and val losses agree to fp32
+    rounding (1e-4 relative over 6 steps)."""
+    other = run(tmp_path / "other", nproc, ["--set", "train.micro_batch_size=2", *extra])
+    loss1, loss2 = column(one_rank, "loss"), column(other, "loss")
     assert len(loss1) == len(loss2) == 6
     assert loss1[-1] < loss1[0]
     assert loss2 == pytest.approx(loss1, rel=1e-4)
-    norm1 = [r["grad_norm"] for r in one if "grad_norm" in r]
-    norm2 = [r["grad_norm"] for r in two if "grad_norm" in r]
-    assert norm2 == pytest.approx(norm1, rel=1e-4)
+    assert column(other, "grad_norm") == pytest.approx(column(one_rank, "grad_norm"), rel=1e-4)
     # eval: both count the whole val set once, and agree on the loss
-    val1 = [r["val_loss"] for r in one if "val_loss" in r]
-    val2 = [r["val_loss"] for r in two if "val_loss" in r]
+    val1, val2 = column(one_rank, "val_loss"), column(other, "val_loss")
     assert len(val1) == len(val2) == 2
+    assert val2 == pytest.approx(val1, rel=1e-4)
+
+
+def test_bf16_ddp_step_tracks_the_fp32_reduce_fsdp_step(tmp_path):
+    """bf16 compute: ddp (gradients summed in bf16 on 2 ranks, accumulated in bf16) against FSDP with fp32
+    gradient reduction on one rank. Only rounding differs: bf16 has 8 bits of mantissa, so the losses of
+    6 steps agree to 2 % and the grad norms to 5 %."""
+    bf16 = ["--set", "train.micro_batch_size=2", "--set", "train.compute_dtype=bfloat16"]
+    fsdp = run(tmp_path / "fsdp", 1, bf16)
+    ddp = run(tmp_path / "ddp", 2, [*bf16, "--set", "parallel.strategy=ddp"])
+    assert column(ddp, "loss") == pytest.approx(column(fsdp, "loss"), rel=0.02)
+    assert column(ddp, "grad_norm") == pytest.approx(column(fsdp, "grad_norm"), rel=0.05)
+    assert column(fsdp, "loss")[-1] < column(fsdp, "loss")[0]
 
 
 @pytest.mark.parametrize("world,local,shard,replicate,expected", [
@@ -61,28 +81,29 @@ def test_mesh_shape_rejects_mismatch():
         mesh_shape(ParallelConfig(dp_shard=3, dp_replicate=2), 8, 8)
 
 
-def test_compiled_blocks_keep_checkpoint_names_and_initial_weights():
-    """Checkpoints move between runs with and without perf.compile: same FQNs, same initial values."""
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_compiled_blocks_keep_checkpoint_names_and_initial_weights(strategy):
+    """Checkpoints move between runs with and without perf.compile, and weights do not depend on the layout:
+    same names, same initial values as a plain model."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from flux_train.compile import block_wrapper
     from flux_train.config import load_config
-    from flux_train.model import build_model, materialize
-    from flux_train.parallel import build_mesh, parallelize
+    from flux_train.model import build_model, materialize, reference_init
+    from flux_train.parallel import build_mesh, build_training
+    from flux_train.perf import compile_blocks
 
-    cfg = load_config("configs/debug.yaml")
+    cfg = load_config("configs/debug.yaml", [f"parallel.strategy={strategy}"])
+    plain = dict(materialize(build_model(cfg.model), torch.device("cpu"), seed=5).named_parameters())
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        states = []
-        for wrap in (None, block_wrapper("block")):  # torch.compile wraps lazily: nothing compiles here
-            model = build_model(cfg.model)
-            parallelize(model, build_mesh(cfg.parallel, 1, 1, "cpu"), cfg.parallel, torch.float32, wrap_block=wrap)
-            states.append({k: v.full_tensor() for k, v in get_model_state_dict(materialize(
-                model, torch.device("cpu"), seed=5)).items()})
-        plain, compiled = states
-        assert set(plain) == set(compiled) and not any("_orig_mod" in k for k in compiled)
-        assert all(torch.equal(plain[k], compiled[k]) for k in plain)
+        model = compile_blocks(build_model(cfg.model), "block")  # torch.compile wraps lazily: nothing compiles
+        training = build_training(model, build_mesh(cfg.parallel, 1, 1, "cpu"), cfg.parallel, cfg.train,
+                                  torch.float32, torch.device("cpu"))
+        training.assign_weights(reference_init(model, 5, "cpu"))
+        saved = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                 for k, v in training.state_dict()["model"].items()}
+        assert set(saved) == set(plain) and not any("_orig_mod" in k for k in saved)
+        assert all(torch.equal(plain[k], saved[k]) for k in plain)
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) linear layers for training, with dynamic scaling: `linear(x, weight, bias, recipe)`.
+"""FP8 (e4m3) linear layers for training, with dynamic scaling: `FP8Linear`, `linear(x, weight, bias, recipe)`.
 
 recipe "rowwise": one scale per row of each GEMM operand along its contraction dim (x per token, W per output
 channel in forward; dY per token and W per input channel for dX; dY and X per column for dW), the recipe that
@@ -6,22 +6,42 @@ keeps Flux's outlier channels from flattening everything else. "tensorwise": one
 Weights stay bf16/fp32 masters; only GEMM inputs are cast, per call. Accumulation is fp32 in the tensor cores
 (torch._scaled_mm) and outputs are bf16. On a CPU the same quantisation is emulated with a dequantised matmul,
 so the recipe's numerics can be checked anywhere. Shapes with a dimension not divisible by 16 fall back to bf16.
+
+The e4m3 format depends on the GPU: OCP `float8_e4m3fn` (max 448) on NVIDIA Hopper/Blackwell and AMD gfx950
+(MI355X), `float8_e4m3fnuz` (max 240, no negative zero) on AMD gfx942 (MI300X/MI325X), whose matrix cores
+reject the OCP format. The casts and the transposes the backward GEMMs need are elementwise code that
+torch.compile fuses into the blocks' kernels (one read of each operand for amax, one fused scale+cast+copy).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = torch.finfo(E4M3).max
 
 
-def quantize(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def e4m3_dtype(gpu_arch: str | None) -> torch.dtype:
+    """The e4m3 dtype for a GPU architecture name (torch.cuda.get_device_properties().gcnArchName on ROCm;
+    None or any NVIDIA/CPU name: OCP e4m3)."""
+    if gpu_arch and gpu_arch.split(":")[0] == "gfx942":
+        return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
+
+
+def device_e4m3(device: torch.device) -> torch.dtype:
+    if device.type == "cuda" and torch.version.hip:
+        return e4m3_dtype(torch.cuda.get_device_properties(device).gcnArchName)
+    return e4m3_dtype(None)
+
+
+def quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, fp32 scale) with x ~= values * scale; amax over `dim` (None = whole tensor)."""
+    fmax = torch.finfo(dtype).max
     xf = x.float()
     amax = xf.abs().amax() if dim is None else xf.abs().amax(dim=dim, keepdim=True)
-    scale = amax.clamp(min=1e-12) / E4M3_MAX
-    return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+    scale = amax.clamp(min=1e-12) / fmax
+    return (xf / scale).clamp(-fmax, fmax).to(dtype), scale
 
 
 def _column_major(x: torch.Tensor) -> torch.Tensor:
@@ -43,10 +63,10 @@ def _dims(recipe: str, dim: int) -> int | None:
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
-        xq, xs = quantize(x2, _dims(recipe, 1))          # per token
-        wq, ws = quantize(weight, _dims(recipe, 1))      # per output channel
-        ctx.recipe, ctx.weight_dtype = recipe, weight.dtype
+    def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
+        xq, xs = quantize(x2, _dims(recipe, 1), dtype)          # per token
+        wq, ws = quantize(weight, _dims(recipe, 1), dtype)      # per output channel
+        ctx.recipe, ctx.weight_dtype, ctx.dtype = recipe, weight.dtype, dtype
         # tensorwise scales serve the backward GEMMs too: keep the e4m3 copies (half the bytes, no second cast);
         # rowwise backward scales run along the other axis and need the high-precision operands
         ctx.save_for_backward(*((xq, xs, wq, ws) if recipe == "tensorwise" else (x2, weight)))
@@ -56,24 +76,47 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         if ctx.recipe == "tensorwise":
             xq, xs, wq, ws = ctx.saved_tensors
-            dyq, dys = dyq0, dys0 = quantize(dy, None)
+            dyq, dys = dyq0, dys0 = quantize(dy, None, ctx.dtype)
             xq0, xs0 = xq, xs
         else:
             x2, weight = ctx.saved_tensors
-            wq, ws = quantize(weight, 0)                 # per input channel (over N)
-            dyq, dys = quantize(dy, 1)                   # per token (over N)
-            dyq0, dys0 = quantize(dy, 0)                 # per column, over the tokens
-            xq0, xs0 = quantize(x2, 0)
+            wq, ws = quantize(weight, 0, ctx.dtype)      # per input channel (over N)
+            dyq, dys = quantize(dy, 1, ctx.dtype)        # per token (over N)
+            dyq0, dys0 = quantize(dy, 0, ctx.dtype)      # per column, over the tokens
+            xq0, xs0 = quantize(x2, 0, ctx.dtype)
         dx = scaled_mm(dyq, dys, _column_major(wq), ws)  # dX = dY @ W
         dw = scaled_mm(dyq0.t().contiguous(), dys0.t() if dys0.dim() else dys0, _column_major(xq0), xs0)  # dY^T X
-        return dx, dw.to(ctx.weight_dtype), None
+        return dx, dw.to(ctx.weight_dtype), None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str = "none") -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str = "none",
+           dtype: torch.dtype = E4M3) -> torch.Tensor:
     """F.linear, in FP8 when `recipe` names one and the shapes allow it."""
     n, k = weight.shape
     m = x.numel() // k
     if recipe == "none" or n % 16 or k % 16 or m % 16:
         return F.linear(x, weight, bias)
-    y = _FP8Linear.apply(x.reshape(m, k), weight.to(x.dtype), recipe).reshape(*x.shape[:-1], n)
+    y = _FP8Linear.apply(x.reshape(m, k), weight.to(x.dtype), recipe, dtype).reshape(*x.shape[:-1], n)
     return y if bias is None else y + bias.to(y.dtype)
+
+
+class FP8Linear(nn.Linear):
+    """nn.Linear whose GEMMs run in FP8 (`recipe`); same parameters, so checkpoints do not change."""
+
+    recipe: str = "tensorwise"
+    fp8_dtype: torch.dtype = E4M3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.recipe, self.fp8_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}, fp8={self.fp8_dtype}"
+
+
+def convert_to_fp8(model: nn.Module, recipe: str, dtype: torch.dtype, module_filter) -> nn.Module:
+    """Turn the Linears that `module_filter(fqn, module)` selects into FP8Linear in place (meta or real)."""
+    for fqn, module in list(model.named_modules()):
+        if module_filter(fqn, module) and type(module) is nn.Linear:
+            module.__class__ = FP8Linear
+            module.recipe, module.fp8_dtype = recipe, dtype
+    return model

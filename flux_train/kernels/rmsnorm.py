@@ -20,8 +20,9 @@ except ImportError:  # CPU-only installs
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    math_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16 inputs, float64 stays float64
+    xf = x.to(math_dtype)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(math_dtype)
     return y.to(x.dtype)
 
 
@@ -124,16 +125,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "aut
 
 
 class RMSNorm(nn.Module):
-    """Drop-in for torch.nn.RMSNorm(dim, eps) with the same `weight` parameter name (diffusers export)."""
+    """RMSNorm with a learned `scale` (the reference's parameter name)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, impl: str = "auto", device=None, dtype=None):
         super().__init__()
         self.eps = eps
         self.impl = impl
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.scale = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.impl)
+        return rms_norm(x, self.scale, self.eps, self.impl)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, impl={self.impl}"
+        return f"{self.scale.shape[0]}, eps={self.eps}, impl={self.impl}"

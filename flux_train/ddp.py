@@ -1,0 +1,248 @@
+"""Data parallelism with replicated weights and a sharded optimizer (`parallel.strategy: ddp`).
+
+The layout of the MLPerf submissions (Megatron DDP + distributed optimizer), for GPUs with room for two
+compute-dtype copies of the model (141 GB and up): every rank holds the bf16 weights and a bf16 gradient
+buffer of the whole model; the fp32 master weights and the AdamW moments are sharded over the `dp_shard`
+ranks (a node). Per optimizer step the gradients cross the network once (one reduce-scatter per bucket,
+started while backward still runs, plus an all-reduce of the shard across nodes) and the updated weights
+once (one all-gather per bucket, waited for by the block that needs it in the next forward) -- however many
+micro-batches the step accumulates. FSDP (`parallel.strategy: fsdp`) instead gathers the weights twice per
+micro-batch and reduces every micro-batch: the layout for 80 GB GPUs.
+
+Buckets are the blocks (and one for the embedders + final layer). A bucket is one flat buffer whose slices
+are the parameters (and one for their gradients); rank r of the shard group owns the r-th 1/S of every
+bucket. Gradients are summed, not averaged, and 1/world joins the clipping factor in the optimizer kernel
+(flux_train.kernels.adamw), so clipping costs no pass over the gradients of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from flux_train.config import TrainConfig
+from flux_train.kernels.adamw import adamw_step
+from flux_train.model import block_stacks, canonical_name
+
+ALIGN = 128  # elements: every parameter and every rank's slice of a bucket starts 256-byte aligned (bf16)
+
+# torch 2.13 renamed the tensor collectives; the older names are what torch 2.6-2.12 have
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class Bucket:
+    """Flat weight and gradient buffers of some parameters; `shard` slices are this rank's part."""
+
+    names: list[str]
+    params: list[nn.Parameter] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    weights: torch.Tensor | None = None
+    grads: torch.Tensor | None = None
+    shard_start: int = 0  # this rank's slice of the bucket: [shard_start, shard_start + shard_numel)
+    shard_numel: int = 0
+    master_offset: int = 0  # where that slice lives in the flat fp32 master/moment tensors
+    arrived: int = 0  # gradients received in the current micro-batch
+    gather: dist.Work | None = None
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        return self.grads[self.shard_start:self.shard_start + self.shard_numel]
+
+    @property
+    def weight_shard(self) -> torch.Tensor:
+        return self.weights[self.shard_start:self.shard_start + self.shard_numel]
+
+
+def _bucket_modules(model: nn.Module) -> list[tuple[nn.Module | None, list[tuple[str, nn.Parameter]]]]:
+    """[(module whose forward first needs the bucket (None = the model), [(name, param)])], forward order."""
+    named = list(model.named_parameters())
+    double, single = block_stacks(model)
+    blocks = [(f"{prefix}.{i}.", block) for prefix, stack in (("double_blocks", double), ("single_blocks", single))
+              for i, block in enumerate(stack)]
+    root = [(n, p) for n, p in named if not canonical_name(n).startswith(("double_blocks.", "single_blocks."))]
+    out = [(None, root)]
+    for prefix, block in blocks:
+        out.append((block, [(n, p) for n, p in named if canonical_name(n).startswith(prefix)]))
+    return out
+
+
+class DDP:
+    """Owns the model's weights, gradients and optimizer state in the layout above.
+
+    Per optimizer step: `start_micro_batch(i, n)` before each micro-batch's forward, `finish_backward()` after
+    the last backward, then `step(lr)`; the next forward waits for the gathered weights by itself."""
+
+    strategy = "ddp"
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, tcfg: TrainConfig, dtype: torch.dtype,
+                 device: torch.device):
+        self.model = model
+        self.tcfg = tcfg
+        self.shard_group = mesh["dp_shard"].get_group()
+        self.replicate_group = mesh["dp_replicate"].get_group()
+        # the master weights and moments are saved as one flat tensor sharded like this
+        self.state_mesh = mesh if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+        self.shards = mesh["dp_shard"].size()
+        self.world = self.shards * mesh["dp_replicate"].size()
+        rank = mesh["dp_shard"].get_local_rank()
+        self.buckets: list[Bucket] = []
+        master_numel = 0
+        for module, named in _bucket_modules(model):
+            bucket = self._build_bucket(named, dtype, device, rank, master_numel)
+            master_numel += bucket.shard_numel
+            self.buckets.append(bucket)
+            (module or model).register_forward_pre_hook(lambda *_, b=bucket: self._wait_gather(b))
+        # fp32 master weights and AdamW moments of this rank's slices, one flat tensor each
+        self.master = torch.zeros(master_numel, device=device)
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.steps = 0
+        self._first = self._last = True
+        self._reductions: list[dist.Work] = []
+
+    def _build_bucket(self, named, dtype, device, rank: int, master_offset: int) -> Bucket:
+        bucket = Bucket(names=[canonical_name(n) for n, _ in named])
+        numel = 0
+        for _, p in named:
+            bucket.offsets.append(numel)
+            numel = _round_up(numel + p.numel(), ALIGN)
+        numel = _round_up(numel, ALIGN * self.shards)
+        bucket.weights = torch.zeros(numel, dtype=dtype, device=device)
+        bucket.grads = torch.zeros(numel, dtype=dtype, device=device)
+        bucket.shard_numel = numel // self.shards
+        bucket.shard_start = rank * bucket.shard_numel
+        bucket.master_offset = master_offset
+        owners = {id(p): (m, k) for m in self.model.modules() for k, p in m._parameters.items() if p is not None}
+        for (_, p), offset in zip(named, bucket.offsets):
+            view = nn.Parameter(bucket.weights[offset:offset + p.numel()].view(p.shape))
+            module, key = owners[id(p)]
+            module._parameters[key] = view
+            view.register_post_accumulate_grad_hook(
+                lambda param, b=bucket, o=offset: self._gradient_arrived(b, o, param))
+            bucket.params.append(view)
+        return bucket
+
+    # ---------------------------------------------------------------------------------- initial weights
+
+    @torch.no_grad()
+    def assign_weights(self, values) -> None:
+        """Full fp32 tensors by name (model.reference_init, or loaded weights) into the weights and this rank's
+        master slices; fresh optimizer state."""
+        where = {name: (b, o, p) for b in self.buckets for name, o, p in zip(b.names, b.offsets, b.params)}
+        for name, full in values:
+            bucket, offset, param = where[name]
+            full = full.to(self.master.device, torch.float32)
+            param.copy_(full)
+            self._master_slice(bucket, offset, param.numel(), full.flatten())
+        self.steps = 0
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+
+    def _master_slice(self, bucket: Bucket, offset: int, numel: int, values: torch.Tensor) -> None:
+        lo = max(offset, bucket.shard_start)
+        hi = min(offset + numel, bucket.shard_start + bucket.shard_numel)
+        if lo < hi:
+            start = bucket.master_offset + lo - bucket.shard_start
+            self.master[start:start + hi - lo].copy_(values[lo - offset:hi - offset])
+
+    # ---------------------------------------------------------------------------------- one step
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        self._first, self._last = index == 0, index == count - 1
+        for bucket in self.buckets:
+            bucket.arrived = 0
+
+    def _gradient_arrived(self, bucket: Bucket, offset: int, param: torch.Tensor) -> None:
+        grad = bucket.grads[offset:offset + param.numel()].view(param.shape)
+        if self._first:  # the first micro-batch overwrites: no zeroing pass
+            grad.copy_(param.grad)
+        else:
+            grad.add_(param.grad)
+        param.grad = None
+        bucket.arrived += 1
+        if self._last and bucket.arrived == len(bucket.params) and self.shards > 1:
+            self._reductions.append(_reduce_scatter(bucket.grad_shard, bucket.grads, op=dist.ReduceOp.SUM,
+                                                    group=self.shard_group, async_op=True))
+
+    def finish_backward(self) -> None:
+        """After the last micro-batch's backward: every bucket's gradients summed over all ranks, in its shard."""
+        for bucket in self.buckets:
+            if bucket.arrived != len(bucket.params):
+                missing = bucket.names[bucket.arrived] if bucket.arrived < len(bucket.names) else bucket.names[0]
+                raise RuntimeError(f"parameter {missing} (or another of its block) received no gradient: "
+                                   "every parameter must take part in the loss")
+        for work in self._reductions:
+            work.wait()
+        self._reductions.clear()
+        if self.world > self.shards:
+            works = [dist.all_reduce(b.grad_shard, group=self.replicate_group, async_op=True) for b in self.buckets]
+            for work in works:
+                work.wait()
+
+    @torch.no_grad()
+    def step(self, lr: float) -> torch.Tensor:
+        """Clip by the global gradient norm and take an AdamW step; returns the pre-clip norm (device tensor).
+        The updated weights are all-gathered asynchronously."""
+        t = self.tcfg
+        sq = torch.stack([torch.linalg.vector_norm(b.grad_shard, dtype=torch.float32) for b in self.buckets])
+        sq = sq.square().sum()
+        if self.shards > 1:
+            dist.all_reduce(sq, group=self.shard_group)
+        norm = sq.sqrt() / self.world
+        coef = (t.grad_clip_norm / (norm + 1e-6)).clamp(max=1.0) / self.world
+        self.steps += 1
+        for bucket in self.buckets:
+            start, n = bucket.master_offset, bucket.shard_numel
+            adamw_step(self.master[start:start + n], self.exp_avg[start:start + n],
+                       self.exp_avg_sq[start:start + n], bucket.grad_shard, bucket.weight_shard, coef, lr=lr,
+                       beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps, weight_decay=t.weight_decay,
+                       step=self.steps)
+            if self.shards > 1:
+                bucket.gather = _all_gather(bucket.weights, bucket.weight_shard, group=self.shard_group,
+                                            async_op=True)
+        return norm
+
+    def _wait_gather(self, bucket: Bucket) -> None:
+        if bucket.gather is not None:
+            bucket.gather.wait()
+            bucket.gather = None
+
+    def wait_params(self) -> None:
+        """Before reading the weights outside a forward (checkpoints, export)."""
+        for bucket in self.buckets:
+            self._wait_gather(bucket)
+
+    def reset_optimizer(self) -> None:
+        """Zero moments and step count, keeping the weights (after warm-up steps with lr 0)."""
+        self.wait_params()
+        self.steps = 0
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+
+    # ---------------------------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict:
+        """DCP state: the full weights under their names (replicated, written once) and this rank's slices of
+        the master weights and moments as one flat tensor sharded over the shard group."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        self.wait_params()
+        placements = [Replicate(), Shard(0)] if self.state_mesh.ndim == 2 else [Shard(0)]
+        flat = {k: DTensor.from_local(getattr(self, k), self.state_mesh, placements, run_check=False)
+                for k in ("master", "exp_avg", "exp_avg_sq")}
+        model = {name: p for b in self.buckets for name, p in zip(b.names, b.params)}
+        return {"model": model, "optim": flat | {"steps": torch.tensor(self.steps)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """After dcp.load filled `state_dict()`'s tensors in place."""
+        self.steps = int(state["optim"]["steps"])
+

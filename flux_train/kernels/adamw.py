@@ -1,0 +1,77 @@
+"""AdamW over flat fp32 master shards in one pass: `adamw_step(master, exp_avg, exp_avg_sq, grad, out, ...)`.
+
+Per element it reads the (bf16) gradient, the fp32 master weight and both moments, and writes the moments,
+the master and the weight's compute-dtype copy that the all-gather sends: 28 bytes per parameter with bf16
+gradients, the least an AdamW step with fp32 state can move. The gradient is multiplied by `grad_coef`, a
+one-element device tensor (the clipping factor times 1/world for summed gradients), so clipping costs no
+pass of its own and no host sync. torch's fused AdamW wants gradients in the master's dtype (a 6-byte cast
+pass and 4 more bytes of memory per parameter first) and writes no bf16 copy (another 6-byte pass).
+
+The arithmetic follows torch.optim.AdamW (decoupled weight decay, bias corrections, eps outside the sqrt)
+step for step; `adamw_step_torch` is the same in torch ops (CPU path and test reference).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs
+    HAVE_TRITON = False
+
+
+def _scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """(step size lr / bias_correction1, sqrt(bias_correction2)) at 1-based `step`."""
+    return lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step)
+
+
+@torch.no_grad()
+def adamw_step_torch(master, exp_avg, exp_avg_sq, grad, out, grad_coef, *, lr: float, beta1: float, beta2: float,
+                     eps: float, weight_decay: float, step: int) -> None:
+    step_size, bc2_sqrt = _scalars(lr, beta1, beta2, step)
+    g = grad.to(master.dtype) * grad_coef
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    master.addcdiv_(exp_avg, (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
+    out.copy_(master)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _adamw_kernel(P, M, V, G, OUT, COEF, n, lr, decay, beta1, beta2, step_size, bc2_sqrt, eps,
+                      BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(COEF)
+        p = tl.load(P + offs, mask=mask, other=0.0)
+        m = tl.load(M + offs, mask=mask, other=0.0)
+        v = tl.load(V + offs, mask=mask, other=0.0)
+        p = p * decay
+        m = m + (1 - beta1) * (g - m)
+        v = v * beta2 + (1 - beta2) * g * g
+        p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+        tl.store(P + offs, p, mask=mask)
+        tl.store(M + offs, m, mask=mask)
+        tl.store(V + offs, v, mask=mask)
+        tl.store(OUT + offs, p.to(OUT.dtype.element_ty), mask=mask)
+
+
+def adamw_step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, *, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float, step: int) -> None:
+    """One AdamW step on 1-D tensors of equal length (see module docstring); Triton on a GPU."""
+    if not (HAVE_TRITON and master.is_cuda):
+        return adamw_step_torch(master, exp_avg, exp_avg_sq, grad, out, grad_coef, lr=lr, beta1=beta1,
+                                beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    n = master.numel()
+    step_size, bc2_sqrt = _scalars(lr, beta1, beta2, step)
+    block = 2048
+    _adamw_kernel[(triton.cdiv(n, block),)](master, exp_avg, exp_avg_sq, grad, out, grad_coef, n, lr,
+                                            1 - lr * weight_decay, beta1, beta2, step_size, bc2_sqrt, eps,
+                                            BLOCK=block, num_warps=8)
