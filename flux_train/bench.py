@@ -249,6 +249,7 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, dict | None, float]:
                                                                             cfg.eval.batch_size * world * 4)
     cfg.train.global_batch_size = cfg.train.micro_batch_size * world * args.accum
     cfg.logging.out_dir = args.out_dir
+    cfg.checkpoint.resume, cfg.checkpoint.every_steps = "none", 0
     trainer = Trainer(cfg)
     torch.cuda.reset_peak_memory_stats()
     trainer.warm_up(max(cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture

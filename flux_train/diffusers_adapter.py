@@ -12,6 +12,7 @@ black-forest-labs single-file checkpoint (`flux1-schnell.safetensors`, already i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -153,3 +154,10 @@ def save_diffusers(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | 
         model = FluxTransformer2DModel(**diffusers_config(cfg))
     model.load_state_dict(to_diffusers(state, cfg), assign=True, strict=True)
     model.save_pretrained(str(out), safe_serialization=True)
+    # the weights file is written through a private temporary file (mode 0600): give it the mode any file
+    # created here gets, so the team can read an export
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in Path(out).iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)

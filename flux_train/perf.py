@@ -67,7 +67,8 @@ class CudaGraph:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: the NCCL watchdog and loader threads keep polling CUDA while this thread captures
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = fn()
 
     def pool(self):

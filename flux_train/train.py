@@ -269,6 +269,7 @@ class Trainer:
                 self.save_checkpoint()
         else:
             self.mllog.end(C.BLOCK_STOP, samples_count=self.step * t.global_batch_size)
+        self.training.wait_params()  # no collective may be in flight when the process group goes down
         metrics.close()
         if status != "preempted":
             self.mllog.end(C.RUN_STOP, status=status, samples_count=self.step * t.global_batch_size)

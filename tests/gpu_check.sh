@@ -1,42 +1,92 @@
 #!/usr/bin/env bash
-# Everything that needs GPUs, in one call (writes logs under $OUT, prints a short summary last):
-#   bash tests/gpu_check.sh            # on a host with >= 2 GPUs (4 for the FSDP step rows)
-# 1. GPU tests (RMSNorm vs float64, compiled/graphed vs eager, attention backend)
-# 2. flux-debug loss parity, 1 GPU vs 2 GPUs
-# 3. one-GPU forward+backward bench: stock diffusers vs ours, ablations, FP8 rows, in the same process
-# 4. full training step, FSDP2 over all GPUs: stock diffusers + FSDP2 vs our trainer (>= 20 steps), and ours
-#    with gradient accumulation 4
+# Everything that needs GPUs, by stage (logs under $OUT, a short summary printed last):
+#   bash tests/gpu_check.sh tests      GPU tests (kernels vs references, graphed vs eager), 1 GPU
+#   bash tests/gpu_check.sh fwdbwd     one-GPU forward+backward bench, stock vs ours, FP8 (ours, torchao), ablations
+#   bash tests/gpu_check.sh graphs     the trainer with/without CUDA graphs at micro-batch 16 and 4 (1 GPU,
+#                                      flux-schnell's width at 6+12 blocks: the 12B model's optimizer needs 2 GPUs)
+#   bash tests/gpu_check.sh fp8-numerics   300 steps bf16 vs FP8 on a learnable synthetic stream (1 GPU, reduced depth)
+#   bash tests/gpu_check.sh step       full flux-schnell training step on all GPUs: stock FSDP2 vs ours (fsdp, ddp,
+#                                      FP8, accumulation 4, graphs), profiles, eval rate, step efficiency refs
+# Stages can be combined: bash tests/gpu_check.sh tests fwdbwd
 set -u
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8}
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # what the nvidia env profile sets on Slurm
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+ROWS="$OUT/rows.jsonl"
+bench() { python3 -m flux_train.bench --json "$ROWS" "$@"; }
+tbench() { torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.bench --json "$ROWS" "$@"; }
+log() { echo "[$(date +%T)] $*"; }
 
-CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")"
-
-DEBUG="--config configs/debug.yaml --set data.source=synthetic --set perf.attention=auto --set train.device=cuda
-       --set train.max_steps=6 --set train.micro_batch_size=4 --set logging.log_every=1 --set eval.every_steps=3
-       --set eval.target=0 --set logging.progress_bar=false"
-for n in 1 2; do
-  torchrun --standalone --nproc_per_node=$n -m flux_train.train $DEBUG --set logging.out_dir="$OUT/parity$n" \
-    > "$OUT/parity$n.log" 2>&1 || echo "parity run on $n GPU(s) failed: see $OUT/parity$n.log"
-done
-python3 - "$OUT" <<'EOF'
+for stage in "$@"; do
+  case $stage in
+  tests)
+    CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fp8.py -p no:cacheprovider \
+      > "$OUT/gpu_tests.log" 2>&1
+    log "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")" ;;
+  fwdbwd)
+    CUDA_VISIBLE_DEVICES=0 bench --mode fwdbwd --batch 16 --steps 8 --profile \
+      --rows stock-eager,stock,ours,ours-fp8-tensorwise,ours-fp8-rowwise,torchao-fp8-tensorwise,torchao-fp8-rowwise,ours-no-graphs,ours-no-compile,ours-torch-rmsnorm \
+      > "$OUT/fwdbwd.log" 2>&1 || log "fwdbwd bench failed: see fwdbwd.log"
+    log "fwdbwd done" ;;
+  graphs)
+    SMALL="--config configs/systems/H200_01x08.yaml --set model.num_layers=6 --set model.num_single_layers=12
+           --set parallel.strategy=ddp"
+    for mb in 16 4; do for g in false true; do
+      CUDA_VISIBLE_DEVICES=0 torchrun --standalone --nproc_per_node=1 -m flux_train.bench --json "$ROWS" --mode step \
+        --rows ours $SMALL --set train.micro_batch_size=$mb --set perf.cuda_graphs=$g --steps 10 \
+        >> "$OUT/graphs.log" 2>&1 || log "graphs mb $mb $g failed: see graphs.log"
+    done; done
+    log "graphs done" ;;
+  fp8-numerics)
+    NUM="--config configs/systems/H200_01x08.yaml --set model.num_layers=4 --set model.num_single_layers=8
+         --set data.source=synthetic --set data.synthetic_train_samples=512 --set data.synthetic_val_samples=64
+         --set data.synthetic_text_len=256 --set data.synthetic_latent_size=32 --set train.micro_batch_size=8
+         --set train.global_batch_size=8 --set train.lr=1e-4 --set train.warmup_steps=20 --set train.max_steps=300
+         --set eval.enabled=false --set logging.log_every=10 --set logging.progress_bar=false --set parallel.strategy=ddp
+         --set checkpoint.every_steps=0"
+    for fp8 in none tensorwise; do
+      CUDA_VISIBLE_DEVICES=0 python3 -m flux_train.train $NUM --set perf.fp8=$fp8 --set logging.out_dir="$OUT/num_$fp8" \
+        > "$OUT/num_$fp8.log" 2>&1 || log "fp8 numerics $fp8 failed: see num_$fp8.log"
+    done
+    python3 - "$OUT" <<'EOF'
 import json, sys
-def losses(n):
+def losses(tag):
     try:
-        return [round(json.loads(l)["loss"], 6) for l in open(f"{sys.argv[1]}/parity{n}/metrics.jsonl") if '"loss"' in l]
+        return {r["step"]: r["loss"] for r in map(json.loads, open(f"{sys.argv[1]}/num_{tag}/metrics.jsonl")) if "loss" in r}
     except OSError:
-        return None
-print("parity 1 GPU:", losses(1)); print("parity 2 GPU:", losses(2))
+        return {}
+a, b = losses("none"), losses("tensorwise")
+steps = [s for s in sorted(a) if s > 50 and s in b]
+worst = max((abs(b[s] / a[s] - 1) for s in steps), default=float("nan"))
+print("fp8 numerics: steps", len(steps), "max |fp8/bf16 - 1| after step 50:", round(worst, 4))
+print("bf16:", [round(a[s], 4) for s in steps][::5]); print("fp8: ", [round(b[s], 4) for s in steps][::5])
 EOF
-
-CUDA_VISIBLE_DEVICES=0 python3 -m flux_train.bench --config configs/bench.yaml --ablate --fp8 rowwise,tensorwise \
-  --steps 8 --json "$OUT/fwdbwd.json" > "$OUT/fwdbwd.log" 2>&1 || echo "fwdbwd bench failed: see $OUT/fwdbwd.log"
-STEP="--config configs/systems/H200_01x08.yaml --mode step"
-torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.bench $STEP --steps 20 --json "$OUT/step.json" \
-  > "$OUT/step.log" 2>&1 || echo "step bench failed: see $OUT/step.log"
-torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.bench $STEP --steps 5 --accum 4 --json "$OUT/accum.json" \
-  > "$OUT/accum.log" 2>&1 || echo "accumulation step bench failed: see $OUT/accum.log"
-grep -h -A12 "matmul ceiling" "$OUT/fwdbwd.log" "$OUT/step.log" "$OUT/accum.log"
+    ;;
+  step)
+    STEP="--mode step --config configs/systems/H200_01x08.yaml --set train.micro_batch_size=8 --steps 10"
+    tbench $STEP --rows stock --profile > "$OUT/step_stock.log" 2>&1 || log "stock step failed"
+    log "stock step done"
+    tbench $STEP --rows ours --profile --set parallel.strategy=ddp > "$OUT/step_ddp.log" 2>&1 || log "ddp step failed"
+    log "ddp step done"
+    tbench $STEP --rows ours --profile --set parallel.strategy=ddp --set perf.fp8=tensorwise \
+      > "$OUT/step_ddp_fp8.log" 2>&1 || log "ddp fp8 step failed"
+    log "ddp fp8 step done"
+    tbench $STEP --rows ours --set parallel.strategy=fsdp > "$OUT/step_fsdp.log" 2>&1 || log "fsdp step failed"
+    tbench $STEP --rows ours --set parallel.strategy=ddp --accum 4 --steps 4 > "$OUT/step_accum.log" 2>&1 \
+      || log "accum step failed"
+    for mb in 8 4; do
+      tbench $STEP --rows ours --set parallel.strategy=ddp --set train.micro_batch_size=$mb --set perf.cuda_graphs=true \
+        >> "$OUT/step_graphs.log" 2>&1 || log "graphs step mb $mb failed"
+    done
+    tbench $STEP --rows ours --set parallel.strategy=ddp --set train.micro_batch_size=4 >> "$OUT/step_graphs.log" 2>&1
+    for fp8 in none tensorwise; do  # step-efficiency references: one GPU, forward+backward at the micro-batch
+      CUDA_VISIBLE_DEVICES=0 bench --mode fwdbwd --batch 8 --steps 8 --rows ours --set perf.fp8=$fp8 \
+        --set perf.cuda_graphs=false >> "$OUT/step_refs.log" 2>&1
+    done
+    log "step stage done" ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+python3 -m flux_train.bench --table "$ROWS" 2>&1 | tee "$OUT/table.txt"

@@ -48,10 +48,11 @@ def test_layouts_and_rank_counts_match_one_rank(tmp_path, one_rank, nproc, extra
     assert loss1[-1] < loss1[0]
     assert loss2 == pytest.approx(loss1, rel=1e-4)
     assert column(other, "grad_norm") == pytest.approx(column(one_rank, "grad_norm"), rel=1e-4)
-    # eval: both count the whole val set once, and agree on the loss
+    # eval: both count the whole val set once and agree on the loss up to the eval noise, which each rank draws
+    # for its own share of the val set (16 samples here: well under 2 %)
     val1, val2 = column(one_rank, "val_loss"), column(other, "val_loss")
     assert len(val1) == len(val2) == 2
-    assert val2 == pytest.approx(val1, rel=1e-4)
+    assert val2 == pytest.approx(val1, rel=2e-2)
 
 
 def test_bf16_ddp_step_tracks_the_fp32_reduce_fsdp_step(tmp_path):
