@@ -22,12 +22,12 @@ log() { echo "[$(date +%T)] $*"; }
 for stage in "$@"; do
   case $stage in
   tests)
-    CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fp8.py -p no:cacheprovider \
-      > "$OUT/gpu_tests.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fp8.py \
+      -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     log "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")" ;;
   fwdbwd)
-    CUDA_VISIBLE_DEVICES=0 bench --mode fwdbwd --batch 16 --steps 8 --profile \
-      --rows stock-eager,stock,ours,ours-fp8-tensorwise,ours-fp8-rowwise,torchao-fp8-tensorwise,torchao-fp8-rowwise,ours-no-graphs,ours-no-compile,ours-torch-rmsnorm \
+    ALL=stock-eager,stock,ours,ours-fp8-tensorwise,ours-fp8-rowwise,torchao-fp8-tensorwise,torchao-fp8-rowwise,ours-no-graphs,ours-no-compile,ours-torch-rmsnorm
+    CUDA_VISIBLE_DEVICES=0 bench --mode fwdbwd --batch 16 --steps 8 --profile --rows "${FWDBWD_ROWS:-$ALL}" \
       > "$OUT/fwdbwd.log" 2>&1 || log "fwdbwd bench failed: see fwdbwd.log"
     log "fwdbwd done" ;;
   graphs)
