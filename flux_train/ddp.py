@@ -100,7 +100,7 @@ class DDP:
             bucket = self._build_bucket(named, dtype, device, rank, master_numel)
             master_numel += bucket.shard_numel
             self.buckets.append(bucket)
-            (module or model).register_forward_pre_hook(lambda *_, b=bucket: self._wait_gather(b))
+            (model if module is None else module).register_forward_pre_hook(lambda *_, b=bucket: self._wait_gather(b))
         # fp32 master weights and AdamW moments of this rank's slices, one flat tensor each
         self.master = torch.zeros(master_numel, device=device)
         self.exp_avg = torch.zeros_like(self.master)
