@@ -76,21 +76,21 @@ def as_diffusers_kwargs(kw: dict) -> dict:
 
 
 def timed(step, steps: int, warmup: int = 3) -> tuple[float, float]:
-    """(median seconds per step, warm-up seconds) with CUDA events."""
+    """(seconds per step, warm-up seconds): `steps` steps back to back between two synchronisations, as a
+    training loop runs them (the host queues the next step while the GPU works on this one)."""
     t0 = time.perf_counter()
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     warm = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
+    if dist.is_initialized():
+        dist.barrier()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return sorted(times)[len(times) // 2], warm
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps, warm
 
 
 def free_memory() -> None:
