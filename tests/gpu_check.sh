@@ -66,28 +66,33 @@ EOF
     ;;
   step)  # the comparison that matters: stock vs ours, bf16 and FP8, with profiles and step-efficiency references
     STEP="--mode step --config configs/systems/H200_01x08.yaml --set train.micro_batch_size=8 --steps 10"
+    tbench $STEP --rows stock ${STOCK_PROFILE:---profile} > "$OUT/step_stock.log" 2>&1 || log "stock step failed"
+    log "stock step done"
     tbench $STEP --rows ours --profile --set parallel.strategy=ddp > "$OUT/step_ddp.log" 2>&1 || log "ddp step failed"
     log "ddp step done"
-    tbench $STEP --rows stock --profile > "$OUT/step_stock.log" 2>&1 || log "stock step failed"
-    log "stock step done"
     tbench $STEP --rows ours --profile --set parallel.strategy=ddp --set perf.fp8=tensorwise --set perf.fp8_impl=torchao \
       > "$OUT/step_ddp_fp8.log" 2>&1 || log "ddp fp8 step failed"
     log "ddp fp8 step done"
+    [ -n "${SKIP_REFS:-}" ] && continue
     for fp8 in none tensorwise; do  # step-efficiency references: one GPU, forward+backward at the micro-batch
       CUDA_VISIBLE_DEVICES=0 bench --mode fwdbwd --batch 8 --steps 8 --rows ours --set perf.fp8=$fp8 \
         --set perf.fp8_impl=torchao --set perf.cuda_graphs=false >> "$OUT/step_refs.log" 2>&1
     done
     log "step stage done" ;;
-  step-more)  # accumulation, the fsdp layout, graphs at micro-batch 8 and 4, our FP8 kernels in the step
-    STEP="--mode step --config configs/systems/H200_01x08.yaml --set train.micro_batch_size=8 --steps 10"
-    tbench $STEP --rows ours --set parallel.strategy=ddp --accum 4 --steps 4 > "$OUT/step_accum.log" 2>&1 \
+  step-more)  # graphs at micro-batch 4, accumulation, the fsdp layout (before), NCCL's Simple protocol
+    STEP="--mode step --config configs/systems/H200_01x08.yaml --set train.micro_batch_size=8 --steps 8"
+    for g in true false; do
+      tbench $STEP --rows ours --profile --set parallel.strategy=ddp --set train.micro_batch_size=4 \
+        --set perf.cuda_graphs=$g >> "$OUT/step_graphs.log" 2>&1 || log "graphs=$g step mb 4 failed"
+    done
+    log "graphs done"
+    tbench $STEP --rows ours --set parallel.strategy=ddp --accum 4 --steps 3 > "$OUT/step_accum.log" 2>&1 \
       || log "accum step failed"
-    tbench $STEP --rows ours --set parallel.strategy=fsdp > "$OUT/step_fsdp.log" 2>&1 || log "fsdp step failed"
-    for mb in 8 4; do for g in true false; do
-      tbench $STEP --rows ours --profile --set parallel.strategy=ddp --set train.micro_batch_size=$mb \
-        --set perf.cuda_graphs=$g >> "$OUT/step_graphs.log" 2>&1 || log "graphs=$g step mb $mb failed"
-    done; done
-    tbench $STEP --rows ours --set parallel.strategy=ddp --set perf.fp8=tensorwise > "$OUT/step_ddp_fp8_ours.log" 2>&1
+    log "accum done"
+    tbench $STEP --rows ours --set parallel.strategy=fsdp --steps 4 > "$OUT/step_fsdp.log" 2>&1 || log "fsdp step failed"
+    log "fsdp done"
+    NCCL_PROTO=Simple tbench $STEP --rows ours --set parallel.strategy=ddp --set perf.fp8=tensorwise \
+      --set perf.fp8_impl=torchao > "$OUT/step_simple.log" 2>&1 || log "simple step failed"
     log "step-more stage done" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
   esac
