@@ -66,7 +66,7 @@ EOF
     ;;
   step)  # the comparison that matters: stock vs ours, bf16 and FP8, with profiles and step-efficiency references
     STEP="--mode step --config configs/systems/H200_01x08.yaml --set train.micro_batch_size=8 --steps 10"
-    tbench $STEP --rows stock ${STOCK_PROFILE:---profile} > "$OUT/step_stock.log" 2>&1 || log "stock step failed"
+    tbench $STEP --rows stock ${STOCK_PROFILE---profile} > "$OUT/step_stock.log" 2>&1 || log "stock step failed"
     log "stock step done"
     tbench $STEP --rows ours --profile --set parallel.strategy=ddp > "$OUT/step_ddp.log" 2>&1 || log "ddp step failed"
     log "ddp step done"
