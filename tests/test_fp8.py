@@ -55,22 +55,38 @@ def test_fp8_linear_forward_and_grads_track_bf16(recipe):
         assert rel(got, ref.float()) < 0.06
 
 
-def test_convert_to_fp8_swaps_only_the_token_linears_and_keeps_the_weights():
+@pytest.mark.parametrize("impl", ["ours", "torchao"])
+def test_fp8_conversion_swaps_only_the_token_linears_and_keeps_the_weights(impl):
+    """Ours and torchao's Float8Linear take the same modules (not the adaLN modulations, whose weight-gradient
+    GEMM has K = batch) and leave parameter names and values as they were, so checkpoints do not change."""
+    from torchao.float8.float8_linear import Float8Linear
+
     from flux_train.config import ModelConfig
-    from flux_train.model import build_model, is_token_linear, materialize
+    from flux_train.model import build_model, materialize
+    from flux_train.perf import apply_fp8
 
     cfg = ModelConfig(flavor="t", num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                       axes_dims_rope=[4, 6, 6])
     model = materialize(build_model(cfg), torch.device("cpu"), seed=0)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    convert_to_fp8(model, "tensorwise", torch.float8_e4m3fnuz, is_token_linear)
-    fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, FP8Linear))
+    apply_fp8(model, "tensorwise", impl, torch.device("cpu"))
+    fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, (FP8Linear, Float8Linear)))
     assert fp8 == ["double_blocks.0.img_attn.proj", "double_blocks.0.img_attn.qkv", "double_blocks.0.img_mlp.0",
                    "double_blocks.0.img_mlp.2", "double_blocks.0.txt_attn.proj", "double_blocks.0.txt_attn.qkv",
                    "double_blocks.0.txt_mlp.0", "double_blocks.0.txt_mlp.2", "single_blocks.0.linear1",
                    "single_blocks.0.linear2"]
-    assert all(m.fp8_dtype == torch.float8_e4m3fnuz for m in model.modules() if isinstance(m, FP8Linear))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_our_fp8_linears_carry_the_platform_format():
+    from flux_train.config import ModelConfig
+    from flux_train.model import build_model, is_token_linear
+
+    model = build_model(ModelConfig(flavor="t", num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                    num_attention_heads=2, axes_dims_rope=[4, 6, 6]))
+    convert_to_fp8(model, "rowwise", torch.float8_e4m3fnuz, is_token_linear)
+    fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert fp8 and all(m.fp8_dtype == torch.float8_e4m3fnuz and m.recipe == "rowwise" for m in fp8)
 
 
 def test_shapes_not_divisible_by_16_fall_back_to_bf16():
