@@ -7,6 +7,7 @@ shards, reduces and checkpoints whether it runs on one CPU or on many nodes.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 import torch
@@ -176,5 +177,10 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def shutdown() -> None:
+    """Destroy the process groups and collect them now, while the interpreter runs: left to interpreter exit,
+    a gloo group's worker thread can still be finishing a collective's callback, and Python ends threads that
+    ask for the GIL during finalization -- which aborts the process ("terminate called without an active
+    exception") after all its work is done."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
