@@ -262,7 +262,52 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, dict | None, float]:
     e0 = time.perf_counter()
     _, count = evaluate(trainer.model, trainer.data.val(), **kwargs)
     eval_rate = count / (time.perf_counter() - e0) / world
+    if args.checkpoint:
+        print("CHECKPOINT " + json.dumps(checkpoint_timings(trainer, args, seconds)), flush=True)
     return seconds, warm, profile, round(eval_rate, 1)
+
+
+def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
+    """Seconds to save (blocking, and async: until training resumes, then until written), to load, and the step
+    time while an async save is being written, for this trainer's full state."""
+    from pathlib import Path
+
+    from flux_train import checkpoint
+
+    def clock(fn):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        return out, round(time.perf_counter() - t0, 2)
+
+    root = Path(args.checkpoint)
+    progress = {"step": 0, "eval_count": 0, "world_size": dist.get_world_size(), "strategy": trainer.training.strategy}
+    loader = trainer.data.train.state_dict()
+    blocking = checkpoint.Checkpointer(root / "sync", keep=1)
+    path, save_s = clock(lambda: blocking.save(1, trainer.training, loader, progress))
+    _, load_s = clock(lambda: checkpoint.load(path, trainer.training))
+    size_gb = sum(f.stat().st_size for f in path.iterdir()) / 1e9
+    shutil_rmtree(root / "sync")
+    background = checkpoint.Checkpointer(root / "async", keep=1, async_save=True)
+    _, async_block_s = clock(lambda: background.save(1, trainer.training, loader, progress))
+    in_flight, _ = timed(trainer.train_step, args.steps, warmup=0)
+    _, async_finish_s = clock(background.wait)
+    shutil_rmtree(root / "async")
+    return {"checkpoint_gb": round(size_gb, 1), "save_s": save_s, "load_s": load_s, "async_blocking_s": async_block_s,
+            "async_wait_after_steps_s": async_finish_s, "step_ms": round(step_seconds * 1000, 1),
+            "step_ms_while_writing": round(in_flight * 1000, 1)}
+
+
+def shutil_rmtree(path) -> None:
+    """Remove a checkpoint folder once (rank 0) and wait for it."""
+    import shutil
+
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
 
 
 def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, dict | None]:
@@ -350,6 +395,9 @@ def main(argv=None) -> int:
     p.add_argument("--accum", type=int, default=1,
                    help="step mode: micro-batches per optimizer step for the ours row (the stock step has none)")
     p.add_argument("--profile", action="store_true", help="add the GPU time per kernel kind to each row")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="step mode: also time a checkpoint save (blocking and async) and load of the trainer's state "
+                        "in DIR (removed after)")
     p.add_argument("--json", default=None, help="append each row as a JSON line to this file")
     p.add_argument("--table", default=None, metavar="FILE", help="print the table of the rows in FILE and exit")
     p.add_argument("--out-dir", default="runs/bench", help="the trainer's run folder in step mode")

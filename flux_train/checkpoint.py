@@ -2,9 +2,13 @@
 export of the model to a diffusers folder.
 
 Layout: <dir>/step_00001234/ holds the DCP shards of {"model", "optim"}, `loader_rank<r>.pt` per rank and
-`progress.pt` (step, eval count, world size). A save goes to `step_XXXX.tmp/` and is renamed once every rank
-has finished, so a crash mid-save leaves the previous checkpoint the latest valid one. No RNG state is
-needed: every random stream is seeded from (seed, step, micro-batch) (flow.seeded_generator).
+`progress.pt` (step, eval count, world size, strategy). A save goes to `step_XXXX.tmp/` and is renamed once
+every rank has finished, so a crash mid-save leaves the previous checkpoint the latest valid one. No RNG
+state is needed: every random stream is seeded from (seed, step, micro-batch) (flow.seeded_generator).
+
+With `checkpoint.async_save` a save copies the state to host memory and returns; the files are written by a
+background thread (over a gloo group of its own, so training's collectives are not shared with it) while
+training goes on, and the checkpoint is completed (renamed) when the next save starts or the run ends.
 
     python -m flux_train.checkpoint export --config CFG --checkpoint DIR/step_00001234 --out FOLDER
 """
@@ -49,27 +53,52 @@ def resolve_resume(cfg) -> Path | None:
     return path
 
 
-def save(root: Path, step: int, training, loader_state: dict, progress: dict, keep: int) -> Path:
-    """Collective: every rank calls it with its training layout (parallel.FSDPTraining or ddp.DDP).
-    Returns the final folder."""
-    rank = dist.get_rank()
-    final = root / f"step_{step:08d}"
-    tmp = root / f"step_{step:08d}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(training.state_dict(), checkpoint_id=str(tmp))
-    torch.save(loader_state, tmp / f"loader_rank{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        torch.save(progress, tmp / "progress.pt")  # written last: its presence marks a complete checkpoint
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+class Checkpointer:
+    """Collective saves of a training layout (parallel.FSDPTraining or ddp.DDP) under `root`, last `keep` kept."""
+
+    def __init__(self, root: Path, keep: int, async_save: bool = False):
+        self.root, self.keep, self.async_save = root, keep, async_save
+        # the background writer's collectives run on a gloo group of their own
+        self.group = dist.new_group(backend="gloo") if async_save else None
+        self.pending: tuple | None = None  # (future, tmp folder, final folder, progress) of an async save
+
+    def save(self, step: int, training, loader_state: dict, progress: dict) -> Path:
+        """Write a checkpoint of the current state; returns its final folder (complete on return unless async)."""
+        self.wait()
+        rank = dist.get_rank()
+        final, tmp = self.root / f"step_{step:08d}", self.root / f"step_{step:08d}.tmp"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        torch.save(loader_state, tmp / f"loader_rank{rank}.pt")
+        if self.async_save:
+            future = dcp.async_save(training.state_dict(), checkpoint_id=str(tmp), process_group=self.group)
+            self.pending = (future, tmp, final, progress)
+        else:
+            dcp.save(training.state_dict(), checkpoint_id=str(tmp))
+            self._complete(tmp, final, progress)
+        return final
+
+    def wait(self) -> Path | None:
+        """Finish an async save in flight (collective); returns its folder."""
+        if self.pending is None:
+            return None
+        future, tmp, final, progress = self.pending
+        self.pending = None
+        future.result()
+        self._complete(tmp, final, progress)
+        return final
+
+    def _complete(self, tmp: Path, final: Path, progress: dict) -> None:
+        dist.barrier(group=self.group)
+        if dist.get_rank() == 0:
+            torch.save(progress, tmp / "progress.pt")  # written last: its presence marks a complete checkpoint
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            for old in list_checkpoints(self.root)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier(group=self.group)
 
 
 def load(path: Path, training) -> tuple[dict, dict]:

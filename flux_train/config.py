@@ -134,11 +134,24 @@ class PerfConfig:
 
 
 @dataclass
+class PreflightConfig:
+    # per-node checks and an all-reduce bandwidth probe before init_start (flux_train/preflight.py); the
+    # submitter turns it on for Slurm runs
+    enabled: bool = False
+    gpu_name: str = ""  # a substring every GPU's name must contain, e.g. H200; empty: any
+    min_free_disk_gb: float = 1.0  # in the checkpoint and log folders
+    min_bus_bandwidth_gbps: float = 0.0  # all-reduce bus bandwidth over all ranks
+    probe_mb: int = 256
+
+
+@dataclass
 class CheckpointConfig:
     dir: Optional[str] = None
     every_steps: int = 0
     keep: int = 2
     resume: str = "auto"  # auto | none | <path>
+    # write checkpoints in the background: a save costs training only the copy to host memory
+    async_save: bool = False
 
 
 @dataclass
@@ -218,6 +231,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

@@ -7,6 +7,7 @@ eval <= target (success) or at train.max_steps (aborted) -> run_stop.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from flux_train import checkpoint, flow
+from flux_train import checkpoint, flow, preflight
 from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
 from flux_train.data import LATENT_CHANNELS, DataError, build_data
 from flux_train.diffusers_adapter import load_pretrained
@@ -41,11 +42,16 @@ class Trainer:
         self.cfg = cfg
         self.dist = init_distributed(cfg.parallel, cfg.train.device)
         validate(cfg, self.dist.world_size)
+        if cfg.preflight.enabled:
+            preflight.run(cfg, self.dist.device, int(os.environ.get("LOCAL_RANK", 0)),
+                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         self.out_dir = Path(cfg.logging.out_dir)
         if self.dist.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self.resume_from = checkpoint.resolve_resume(cfg)
+        self.checkpointer = checkpoint.Checkpointer(checkpoint.checkpoint_dir(cfg), cfg.checkpoint.keep,
+                                                    cfg.checkpoint.async_save)
         # a resumed run continues the same MLLOG file and does not start a second run in it
         self.mllog = MLLogger(self.out_dir / cfg.logging.mllog_file, enabled=self.dist.is_main,
                               append=self.resume_from is not None)
@@ -94,10 +100,9 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         progress = {"step": self.step, "eval_count": self.eval_count, "world_size": self.dist.world_size,
                     "samples": self.step * self.cfg.train.global_batch_size, "strategy": self.training.strategy}
-        path = checkpoint.save(checkpoint.checkpoint_dir(self.cfg), self.step, self.training,
-                               self.data.train.state_dict(), progress, self.cfg.checkpoint.keep)
+        path = self.checkpointer.save(self.step, self.training, self.data.train.state_dict(), progress)
         if self.dist.is_main:
-            print(f"flux-train: saved checkpoint {path}", flush=True)
+            print(f"flux-train: {'saving' if self.checkpointer.async_save else 'saved'} checkpoint {path}", flush=True)
         return path
 
     def _initial_weights(self, model):
@@ -270,6 +275,7 @@ class Trainer:
         else:
             self.mllog.end(C.BLOCK_STOP, samples_count=self.step * t.global_batch_size)
         self.training.wait_params()  # no collective may be in flight when the process group goes down
+        self.checkpointer.wait()
         metrics.close()
         if status != "preempted":
             self.mllog.end(C.RUN_STOP, status=status, samples_count=self.step * t.global_batch_size)
@@ -295,6 +301,9 @@ def main(argv=None) -> int:
         return 2
     except DataError as exc:
         print(f"data error: {exc}", file=sys.stderr)
+        return 2
+    except preflight.PreflightError as exc:
+        print(exc, file=sys.stderr)
         return 2
     finally:
         shutdown()

@@ -82,7 +82,7 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
         training.assign_weights(reference_init(model, 0, "cpu"))
         monkeypatch.setattr(checkpoint.dcp, "save", dying_save)
         with pytest.raises(KeyboardInterrupt):
-            checkpoint.save(root, 6, training, {}, {"step": 6, "eval_count": 0, "world_size": 1}, keep=5)
+            checkpoint.Checkpointer(root, keep=5).save(6, training, {}, {"step": 6, "eval_count": 0, "world_size": 1})
         monkeypatch.undo()
         assert (root / "step_00000006.tmp").is_dir()
         latest = checkpoint.resolve_resume(cfg)
@@ -163,3 +163,19 @@ def test_warm_up_before_run_start_leaves_training_unchanged(tmp_path):
     cold, warm = losses(tmp_path / "cold"), losses(tmp_path / "warm")
     assert sorted(warm) == [1, 2, 3, 4]
     assert all(warm[s] == pytest.approx(cold[s], rel=1e-6, abs=1e-7) for s in cold)
+
+
+def test_async_checkpoints_complete_and_resume_exactly(tmp_path):
+    """checkpoint.async_save: every save is completed (renamed) by the next save or the end of the run, and a
+    resume from one continues with the losses of an uninterrupted run."""
+    out = tmp_path / "async"
+    run(out, "--set", "train.max_steps=4", "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep=5",
+        "--set", "checkpoint.async_save=true")
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000002", "step_00000004"]
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    run(tmp_path / "full", "--set", "train.max_steps=6")
+    assert "resumed from" in run(out, "--set", "train.max_steps=6", "--set", "checkpoint.async_save=true")
+    full, resumed = losses(tmp_path / "full"), losses(out)
+    assert sorted(resumed) == list(range(1, 7))
+    for step in range(1, 7):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step

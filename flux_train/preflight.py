@@ -1,0 +1,132 @@
+"""Pre-flight: find a bad node before the clock starts (`preflight.enabled`, before MLLOG init_start).
+
+Every node checks itself (its first worker): the GPUs it should have, of the expected kind, idle (no memory
+taken by another process), free disk where checkpoints and logs go, the dataset readable with its splits.
+Then every rank joins one all-reduce bandwidth probe over the whole allocation. Any failure ends every rank
+with one line per bad node naming the host, the reason and how to leave the node out.
+
+    torchrun --nproc_per_node=8 -m flux_train.preflight [--config CFG] [--set k=v]   # the probe alone
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from flux_train.config import Config, ConfigError, load_config
+
+# a worker's own CUDA context and allocator reserve; more in use before the run allocates means another process
+IDLE_GPU_USED_GIB = 4.0
+
+
+class PreflightError(RuntimeError):
+    """One or more nodes failed pre-flight; the message has one line per node."""
+
+
+def node_problems(cfg: Config, device: torch.device, gpus_per_node: int) -> list[str]:
+    """This node's reasons to refuse the run (empty: fit)."""
+    p = cfg.preflight
+    problems = []
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if count < gpus_per_node:
+            problems.append(f"{count} GPUs visible, the run needs {gpus_per_node}")
+        for i in range(min(count, gpus_per_node)):
+            name = torch.cuda.get_device_name(i)
+            if p.gpu_name and p.gpu_name not in name:
+                problems.append(f"GPU {i} is a {name}, expected {p.gpu_name} (preflight.gpu_name)")
+            free, total = torch.cuda.mem_get_info(i)
+            if (total - free) / 2**30 > IDLE_GPU_USED_GIB:
+                problems.append(f"GPU {i} has {(total - free) / 2**30:.1f} GiB in use by another process")
+    for what, folder in (("checkpoint", cfg.checkpoint.dir or Path(cfg.logging.out_dir) / "checkpoints"),
+                         ("log", cfg.logging.out_dir)):
+        existing = Path(folder)
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        free_gb = shutil.disk_usage(existing).free / 1e9
+        if free_gb < p.min_free_disk_gb:
+            problems.append(f"{free_gb:.0f} GB free for the {what} folder {folder}, preflight.min_free_disk_gb is "
+                            f"{p.min_free_disk_gb:g}")
+    if cfg.data.source == "energon" and cfg.data.path:
+        root = Path(cfg.data.path)
+        if not (root / ".nv-meta" / "dataset.yaml").is_file():
+            problems.append(f"dataset {root} is not readable here (no .nv-meta/dataset.yaml): mount it on every node")
+        else:
+            missing = [split for split in ("train", "val") if not (root / split).is_dir()]
+            if missing:
+                problems.append(f"dataset {root} has no {' or '.join(missing)}/ split")
+    return problems
+
+
+def bus_bandwidth(device: torch.device, size_mb: int, iters: int = 5) -> tuple[float, float]:
+    """(all-reduce bus bandwidth in GB/s over all ranks, seconds the probe took): busbw = 2(n-1)/n x bytes / t."""
+    world = dist.get_world_size()
+    x = torch.ones(size_mb * 2**20 // 4, device=device)
+    t0 = time.perf_counter()
+    dist.all_reduce(x)  # warm-up: connections, buffers
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    per_op = (time.perf_counter() - t1) / iters
+    busbw = 2 * (world - 1) / max(world, 1) * x.numel() * 4 / per_op / 1e9
+    return busbw, time.perf_counter() - t0
+
+
+def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) -> float:
+    """Collective over all ranks; returns the measured bus bandwidth or raises PreflightError."""
+    host = socket.gethostname()
+    mine = node_problems(cfg, device, gpus_per_node) if local_rank == 0 else []
+    busbw, seconds = bus_bandwidth(device, cfg.preflight.probe_mb) if dist.get_world_size() > 1 else (0.0, 0.0)
+    floor = cfg.preflight.min_bus_bandwidth_gbps
+    if dist.get_world_size() > 1 and dist.get_rank() == 0 and busbw < floor:
+        mine.append(f"all-reduce bus bandwidth over the {dist.get_world_size()} ranks is {busbw:.1f} GB/s, below "
+                    f"preflight.min_bus_bandwidth_gbps {floor:g} (the slowest link sets it)")
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (host, mine))
+    bad = {}
+    for where, problems in reports:
+        bad.setdefault(where, []).extend(problems)
+    lines = [f"pre-flight: {h}: {'; '.join(ps)} -- leave it out with `python -m flux_train.submit ... --exclude {h}`"
+             for h, ps in bad.items() if ps]
+    if lines:
+        raise PreflightError("\n".join(lines))
+    if dist.get_rank() == 0 and dist.get_world_size() > 1:
+        print(f"pre-flight: {len(bad)} node(s) fit; all-reduce bus bandwidth {busbw:.1f} GB/s over "
+              f"{dist.get_world_size()} ranks ({cfg.preflight.probe_mb} MB, probe took {seconds:.1f} s)", flush=True)
+    return busbw
+
+
+def main(argv=None) -> int:
+    import os
+
+    from flux_train.parallel import init_distributed, shutdown
+
+    ap = argparse.ArgumentParser(prog="python -m flux_train.preflight", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/debug.yaml", help="the run's config (what to check)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config value; repeatable")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        d = init_distributed(cfg.parallel, cfg.train.device)
+        run(cfg, d.device, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    except (ConfigError, PreflightError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

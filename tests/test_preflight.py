@@ -1,0 +1,44 @@
+"""Pre-flight refuses a node before the run's clock starts, naming the host and the fix."""
+import socket
+import subprocess
+import sys
+
+from flux_train import preflight
+from flux_train.config import load_config
+
+
+def train(out, *extra):
+    return subprocess.run([sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml",
+                           "--set", f"logging.out_dir={out}", "--set", "preflight.enabled=true",
+                           "--set", "train.max_steps=2", "--set", "eval.enabled=false", *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_missing_dataset_is_named_with_the_host_and_nothing_starts(tmp_path):
+    proc = train(tmp_path / "run", "--set", "data.source=energon", "--set", f"data.path={tmp_path / 'no-such-data'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"pre-flight: {socket.gethostname()}: dataset ") and "not readable" in line
+    assert f"--exclude {socket.gethostname()}" in line
+    mllog = tmp_path / "run" / "mllog.log"
+    assert not mllog.exists() or "init_start" not in mllog.read_text()
+
+
+def test_a_fit_node_passes_and_trains(tmp_path):
+    proc = train(tmp_path / "run", "--set", "data.source=synthetic")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "status aborted" in proc.stdout  # the step cap of 2 steps, not pre-flight
+
+
+def test_node_checks_name_disk_and_dataset_problems(tmp_path):
+    import torch
+
+    cfg = load_config("configs/debug.yaml", [f"logging.out_dir={tmp_path}", "preflight.min_free_disk_gb=1e9",
+                                             "data.source=energon", f"data.path={tmp_path}"])
+    (tmp_path / ".nv-meta").mkdir()
+    (tmp_path / ".nv-meta" / "dataset.yaml").write_text("x")
+    (tmp_path / "train").mkdir()
+    problems = preflight.node_problems(cfg, torch.device("cpu"), 1)
+    assert any("free for the checkpoint folder" in p for p in problems)
+    assert any("free for the log folder" in p for p in problems)
+    assert any(p.endswith("has no val/ split") for p in problems)
