@@ -56,11 +56,14 @@ def resolve_resume(cfg) -> Path | None:
 class Checkpointer:
     """Collective saves of a training layout (parallel.FSDPTraining or ddp.DDP) under `root`, last `keep` kept."""
 
-    def __init__(self, root: Path, keep: int, async_save: bool = False):
-        self.root, self.keep, self.async_save = root, keep, async_save
+    def __init__(self, root: Path, keep: int, async_save: bool = False, every_steps: int = 0):
+        self.root, self.keep, self.async_save, self.every_steps = root, keep, async_save, every_steps
         # the background writer's collectives run on a gloo group of their own
         self.group = dist.new_group(backend="gloo") if async_save else None
         self.pending: tuple | None = None  # (future, tmp folder, final folder, progress) of an async save
+
+    def due(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
 
     def save(self, step: int, training, loader_state: dict, progress: dict) -> Path:
         """Write a checkpoint of the current state; returns its final folder (complete on return unless async)."""

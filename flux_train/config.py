@@ -88,6 +88,8 @@ class TrainConfig:
     latent_scale: float = 0.3611
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # a test hook for the non-finite guard: the loss of this step (1-based) becomes NaN; 0 = never
+    inject_nan_at_step: int = 0
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""MLLOG events through mlperf-logging, from rank 0 only (DESIGN.md §3, reference.md §2)."""
+"""MLLOG events through mlperf-logging, from rank 0 only (docs/benchmark.md, "MLPerf log")."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -55,3 +55,21 @@ class MLLogger:
                 # the rule's sample cadence (262144); a debug run's eval.every_steps does not change what is logged
                 (EVALUATION_FREQUENCY, cfg.eval.every_samples)):
             self.event(key, value)
+
+    # the training loop's events, in one place
+
+    def block_start(self, samples: int) -> None:
+        self.start(C.BLOCK_START, samples_count=samples)
+
+    def block_stop(self, samples: int) -> None:
+        self.end(C.BLOCK_STOP, samples_count=samples)
+
+    def eval_start(self, samples: int) -> None:
+        self.start(C.EVAL_START, samples_count=samples)
+
+    def eval_result(self, val_loss: float, samples: int) -> None:
+        self.event(C.EVAL_ACCURACY, val_loss, samples_count=samples)
+        self.end(C.EVAL_STOP, samples_count=samples)
+
+    def run_stop(self, status: str, samples: int) -> None:
+        self.end(C.RUN_STOP, status=status, samples_count=samples)

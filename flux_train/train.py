@@ -7,6 +7,7 @@ eval <= target (success) or at train.max_steps (aborted) -> run_stop.
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 import signal
 import sys
@@ -33,8 +34,50 @@ from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attenti
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved a checkpoint on Slurm's warning signal; the launcher requeues
+EXIT_DIVERGED = 3  # a non-finite loss or gradient norm stopped the run
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class Status(str, enum.Enum):
+    """How a run ended; MLLOG's run_stop says success or aborted (a diverged run is aborted)."""
+
+    SUCCESS = "success"  # an eval reached the target
+    ABORTED = "aborted"  # the step cap
+    PREEMPTED = "preempted"  # Slurm's warning signal: checkpoint saved, the launcher requeues
+    DIVERGED = "diverged"  # a non-finite loss or gradient norm
+
+
+class LogWindow:
+    """What the loop learns at each host sync (every logging.log_every steps, and before an eval or a checkpoint),
+    in one all-reduce: the mean loss of the window's steps, whether any rank got the stop signal, and whether
+    any step's loss or gradient norm was not finite (and which step first, on this rank)."""
+
+    def __init__(self, device: torch.device, world: int):
+        self.device, self.world = device, world
+        self.loss_sum = torch.zeros((), device=device)
+        self.first_bad = torch.zeros((), device=device)
+        self.steps = 0
+
+    def add(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Device-side only: no sync."""
+        self.loss_sum += loss
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        self.first_bad = torch.where(bad & (self.first_bad == 0), float(step), self.first_bad)
+        self.steps += 1
+
+    def close(self, stop_requested: bool) -> tuple[float, bool, int | None]:
+        """(mean loss over ranks and steps, whether any rank asked to stop, None if every step was finite, else the
+        first non-finite step this rank saw, 0 if only other ranks saw one); resets the window."""
+        stats = torch.stack([self.loss_sum, torch.tensor(float(stop_requested), device=self.device),
+                             (self.first_bad > 0).float()])
+        loss_sum, stop_votes, bad_ranks = all_reduce_sum(stats).tolist()
+        first_bad = int(self.first_bad.item()) if bad_ranks else None
+        mean = loss_sum / max(self.steps * self.world, 1)
+        self.loss_sum.zero_()
+        self.first_bad.zero_()
+        self.steps = 0
+        return mean, stop_votes > 0, first_bad
 
 
 class Trainer:
@@ -51,7 +94,7 @@ class Trainer:
             (self.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self.resume_from = checkpoint.resolve_resume(cfg)
         self.checkpointer = checkpoint.Checkpointer(checkpoint.checkpoint_dir(cfg), cfg.checkpoint.keep,
-                                                    cfg.checkpoint.async_save)
+                                                    cfg.checkpoint.async_save, cfg.checkpoint.every_steps)
         # a resumed run continues the same MLLOG file and does not start a second run in it
         self.mllog = MLLogger(self.out_dir / cfg.logging.mllog_file, enabled=self.dist.is_main,
                               append=self.resume_from is not None)
@@ -138,6 +181,8 @@ class Trainer:
         """Loss / accum of one micro-batch, gradients accumulated; after the last one, reduced (ddp)."""
         self.training.start_micro_batch(micro, self.accum)
         loss = flow.mse_loss(self.model(**inputs), target) / self.accum
+        if self.step + 1 == self.cfg.train.inject_nan_at_step:
+            loss = loss * float("nan")
         loss.backward()
         if micro == self.accum - 1:
             self.training.finish_backward()
@@ -201,17 +246,17 @@ class Trainer:
     # ------------------------------------------------------------------ eval and the loop
 
     def run_eval(self) -> float:
+        """One validation pass, its MLLOG events included."""
         t = self.cfg.train
         samples = self.step * t.global_batch_size
-        self.mllog.start(C.EVAL_START, samples_count=samples)
+        self.mllog.eval_start(samples)
         val_loss, count = evaluate(self.model, self.data.val(), device=self.device, dtype=self.dtype, seed=t.seed,
                                    eval_index=self.eval_count, rank=self.dist.rank, shift=t.latent_shift,
                                    scale=t.latent_scale)
         self.eval_count += 1
         if count != self.data.val_size:
             raise RuntimeError(f"eval counted {count} samples, the val set has {self.data.val_size}")
-        self.mllog.event(C.EVAL_ACCURACY, val_loss, samples_count=samples)
-        self.mllog.end(C.EVAL_STOP, samples_count=samples)
+        self.mllog.eval_result(val_loss, samples)
         return val_loss
 
     def _install_stop_signal(self) -> None:
@@ -222,66 +267,85 @@ class Trainer:
         if hasattr(signal, "SIGUSR2"):
             signal.signal(signal.SIGUSR2, handler)
 
-    def run(self) -> str:
-        cfg, t = self.cfg, self.cfg.train
-        interval = eval_interval_steps(cfg)
-        metrics = Metrics(self.out_dir, self.device, self.dist.world_size, t.max_steps, self.dist.is_main,
-                          cfg.logging.progress_bar, cfg.logging.tensorboard, append=self.resume_from is not None,
-                          start_step=self.step)
+    def _say(self, text: str) -> None:
         if self.dist.is_main:
-            print(f"flux-train: {cfg.model.flavor} {self.n_params / 1e9:.3f} B params, world {self.dist.world_size}, "
+            print(f"flux-train: {text}", flush=True)
+
+    def run(self) -> Status:
+        """Warm up, start the clock, train until an eval reaches the target, the step cap, Slurm's warning signal
+        or a non-finite step; then stop the clock."""
+        cfg, t = self.cfg, self.cfg.train
+        self._say(f"{cfg.model.flavor} {self.n_params / 1e9:.3f} B params, world {self.dist.world_size}, "
                   f"GBS {t.global_batch_size} (micro {t.micro_batch_size} x accum {self.accum}), "
-                  f"eval every {interval} steps, device {self.device}", flush=True)
+                  f"eval every {eval_interval_steps(cfg)} steps, {cfg.parallel.strategy} on {self.device}")
         self._install_stop_signal()
         self.warm_up(cfg.perf.warmup_iters)
         if self.resume_from is None:
             self.mllog.end(C.INIT_STOP)
             self.mllog.start(C.RUN_START)
-        self.mllog.start(C.BLOCK_START, samples_count=self.step * t.global_batch_size)
-        status = C.ABORTED
-        window_loss = torch.zeros((), device=self.device)
-        window_steps = 0
-        metrics.reset_window()
-        while self.step < t.max_steps:
-            loss, grad_norm, wait = self.train_step()
-            window_loss += loss
-            window_steps += 1
-            metrics.add_step(t.global_batch_size, wait)
-            if self.step % cfg.logging.log_every == 0:
-                # one all-reduce: the window's loss and whether any rank got Slurm's warning signal
-                stats = torch.stack([window_loss, torch.tensor(float(self.stop_requested), device=self.device)])
-                loss_sum, stop_votes = all_reduce_sum(stats).tolist()
-                metrics.log(self.step, self.flops_per_sample, loss=loss_sum / (window_steps * self.dist.world_size),
-                            lr=lr_at(self.step - 1, t.lr, t.warmup_steps), grad_norm=float(grad_norm))
-                window_loss.zero_()
-                window_steps = 0
-                if stop_votes > 0:
-                    status = "preempted"
-                    self.mllog.end(C.BLOCK_STOP, samples_count=self.step * t.global_batch_size)
-                    self.save_checkpoint()
-                    break
-            if cfg.eval.enabled and self.step % interval == 0:
-                samples = self.step * t.global_batch_size
-                self.mllog.end(C.BLOCK_STOP, samples_count=samples)
-                val_loss = self.run_eval()
-                metrics.emit({"step": self.step, "samples": samples, "val_loss": val_loss})
-                if val_loss <= cfg.eval.target:
-                    status = C.SUCCESS
-                    break
-                self.mllog.start(C.BLOCK_START, samples_count=samples)
-                metrics.reset_window()
-            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
-                self.save_checkpoint()
-        else:
-            self.mllog.end(C.BLOCK_STOP, samples_count=self.step * t.global_batch_size)
+        metrics = Metrics(self.out_dir, self.device, self.dist.world_size, t.max_steps, self.dist.is_main,
+                          cfg.logging.progress_bar, cfg.logging.tensorboard, append=self.resume_from is not None,
+                          start_step=self.step)
+        status = self._train(metrics)
         self.training.wait_params()  # no collective may be in flight when the process group goes down
         self.checkpointer.wait()
         metrics.close()
-        if status != "preempted":
-            self.mllog.end(C.RUN_STOP, status=status, samples_count=self.step * t.global_batch_size)
-        if self.dist.is_main:
-            print(f"flux-train: finished at step {self.step}, status {status}", flush=True)
+        samples = self.step * t.global_batch_size
+        if status != Status.PREEMPTED:  # a preempted run continues in the same log after the requeue
+            self.mllog.run_stop(C.SUCCESS if status == Status.SUCCESS else C.ABORTED, samples)
+        self._say(f"finished at step {self.step}, status {status.value}")
         return status
+
+    def _train(self, metrics: Metrics) -> Status:
+        """The steps, from block_start to the step that ends the run (its block_stop written)."""
+        cfg, t = self.cfg, self.cfg.train
+        evals = cfg.eval.enabled
+        eval_every = eval_interval_steps(cfg)
+        window = LogWindow(self.device, self.dist.world_size)
+        self.mllog.block_start(self.step * t.global_batch_size)
+        metrics.reset_window()
+        while self.step < t.max_steps:
+            loss, grad_norm, wait = self.train_step()
+            window.add(self.step, loss, grad_norm)
+            metrics.add_step(t.global_batch_size, wait)
+            samples = self.step * t.global_batch_size
+            eval_due = evals and self.step % eval_every == 0
+            checkpoint_due = self.checkpointer.due(self.step)
+            if self.step % cfg.logging.log_every and not eval_due and not checkpoint_due:
+                continue
+            # a host sync: nothing below may act on a non-finite state
+            mean_loss, stop, first_bad = window.close(self.stop_requested)
+            if first_bad is not None:
+                self.mllog.block_stop(samples)
+                return self._diverged(first_bad)
+            metrics.log(self.step, self.flops_per_sample, loss=mean_loss, lr=lr_at(self.step - 1, t.lr, t.warmup_steps),
+                        grad_norm=float(grad_norm))
+            if stop:
+                self.mllog.block_stop(samples)
+                self.save_checkpoint()
+                return Status.PREEMPTED
+            if eval_due:
+                self.mllog.block_stop(samples)
+                val_loss = self.run_eval()
+                metrics.emit({"step": self.step, "samples": samples, "val_loss": val_loss})
+                if val_loss <= cfg.eval.target:
+                    return Status.SUCCESS
+                self.mllog.block_start(samples)
+                metrics.reset_window()
+            if checkpoint_due:
+                self.save_checkpoint()
+        self.mllog.block_stop(self.step * t.global_batch_size)
+        return Status.ABORTED
+
+    def _diverged(self, first_bad: int) -> Status:
+        at = f"at step {first_bad}" if first_bad > 0 else f"in the steps up to {self.step}"
+        self.checkpointer.wait()
+        last = checkpoint.list_checkpoints(self.checkpointer.root)
+        where = (f"the last good checkpoint is {last[-1]} (checkpoint.resume=auto picks it up)" if last
+                 else "no checkpoint was written before it")
+        self._say(f"stopped: the loss or gradient norm was not finite {at}; {where}. Lower train.lr, lengthen "
+                  "train.warmup_steps or look at the data of that step before resuming")
+        return Status.DIVERGED
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -307,7 +371,7 @@ def main(argv=None) -> int:
         return 2
     finally:
         shutdown()
-    return EXIT_PREEMPTED if status == "preempted" else 0
+    return {Status.PREEMPTED: EXIT_PREEMPTED, Status.DIVERGED: EXIT_DIVERGED}.get(status, 0)
 
 
 if __name__ == "__main__":

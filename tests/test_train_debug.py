@@ -76,3 +76,26 @@ def test_bad_config_exits_2_with_one_message(tmp_path, capsys):
     rc = main(["--config", "configs/debug.yaml", "--set", "train.micro_batch_size=3"])
     assert rc == 2
     assert "train.global_batch_size 8 is not divisible by train.micro_batch_size 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_non_finite_step_stops_the_run_there_and_keeps_the_last_good_checkpoint(tmp_path, strategy):
+    """A NaN loss at step 5 (checkpoints every 2 steps, logging every 10): the run stops at step 5, before step 6's
+    checkpoint could save the bad state; run_stop is aborted, the exit code 3, and the message names the step and
+    the checkpoint to resume from."""
+    from flux_train import checkpoint
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml",
+                           "--set", f"logging.out_dir={out}", "--set", "data.source=synthetic",
+                           "--set", "train.inject_nan_at_step=5", "--set", "checkpoint.every_steps=2",
+                           "--set", "logging.log_every=10", "--set", "eval.enabled=false",
+                           "--set", "train.max_steps=20", "--set", f"parallel.strategy={strategy}"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    latest = checkpoint.list_checkpoints(out / "checkpoints")[-1]
+    assert latest.name == "step_00000004"
+    assert f"not finite at step 5; the last good checkpoint is {latest}" in proc.stdout
+    assert "finished at step 6, status diverged" in proc.stdout  # found at the sync before step 6's save
+    stops = [e for e in read_events(out / "mllog.log") if e["key"] == "run_stop"]
+    assert len(stops) == 1 and stops[0]["metadata"]["status"] == "aborted"
