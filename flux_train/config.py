@@ -118,6 +118,9 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
     backend: Literal["auto", "nccl", "gloo"] = "auto"
+    # a collective that has not completed after this long ends the run, naming the ranks that did not arrive;
+    # it must cover the longest stretch one rank can spend away from the others (a checkpoint save, an eval)
+    timeout_s: int = 300
 
 
 @dataclass
@@ -412,6 +415,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
          "replay; set parallel.strategy=ddp (weights and gradient buffers stay in place)")
     need(not cfg.perf.cuda_graphs or cfg.perf.warmup_iters >= 1,
          "perf.cuda_graphs: graphs are captured during the warm-up before run_start; set perf.warmup_iters >= 1")
+    need(p.timeout_s >= 10, f"parallel.timeout_s: must be >= 10 seconds, got {p.timeout_s}")
     need(cfg.perf.warmup_latent_size > 0 and cfg.perf.warmup_latent_size % 2 == 0,
          f"perf.warmup_latent_size: must be a positive even number (2x2 patches), got {cfg.perf.warmup_latent_size}")
     need(cfg.eval.every_samples > 0, f"eval.every_samples: must be > 0, got {cfg.eval.every_samples}")

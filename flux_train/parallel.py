@@ -44,7 +44,9 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(pcfg: ParallelConfig, device_choice: str = "auto", timeout_min: int = 30) -> Dist:
+def init_distributed(pcfg: ParallelConfig, device_choice: str = "auto", flight_recorder_dir: str | None = None) -> Dist:
+    """The process group (timeout parallel.timeout_s) and mesh. With NCCL, `flight_recorder_dir` receives torch's
+    flight-recorder dump of every rank's last collectives when one times out."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -52,7 +54,12 @@ def init_distributed(pcfg: ParallelConfig, device_choice: str = "auto", timeout_
     device = pick_device(device_choice, local_rank)
     backend = pcfg.backend if pcfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=timeout_min)
+        timeout = datetime.timedelta(seconds=pcfg.timeout_s)
+        if backend == "nccl" and flight_recorder_dir:  # read by ProcessGroupNCCL when the group is created
+            Path(flight_recorder_dir).mkdir(parents=True, exist_ok=True)
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(flight_recorder_dir) / "rank_"))
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)

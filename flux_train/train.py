@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from flux_train import checkpoint, flow, preflight
@@ -23,6 +24,7 @@ from flux_train.config import Config, ConfigError, accumulation_steps, eval_inte
 from flux_train.data import LATENT_CHANNELS, DataError, build_data
 from flux_train.diffusers_adapter import load_pretrained
 from flux_train.evaluate import evaluate
+from flux_train.heartbeat import Heartbeat, stragglers
 from flux_train.metrics import Metrics
 from flux_train.mllog import C, MLLogger
 from flux_train.model import build_model, check_weights, count_params, flops_per_sample, reference_init
@@ -35,6 +37,7 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved a checkpoint on Slurm's warning signal; the launcher requeues
 EXIT_DIVERGED = 3  # a non-finite loss or gradient norm stopped the run
+EXIT_COLLECTIVE = 4  # a collective failed or timed out (parallel.timeout_s); the message names the stragglers
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -83,12 +86,13 @@ class LogWindow:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.dist = init_distributed(cfg.parallel, cfg.train.device)
+        self.out_dir = Path(cfg.logging.out_dir)
+        self.dist = init_distributed(cfg.parallel, cfg.train.device, str(self.out_dir / "flight_recorder"))
+        self.heartbeat = Heartbeat(self.out_dir / "heartbeats", self.dist.rank)
         validate(cfg, self.dist.world_size)
         if cfg.preflight.enabled:
             preflight.run(cfg, self.dist.device, int(os.environ.get("LOCAL_RANK", 0)),
                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        self.out_dir = Path(cfg.logging.out_dir)
         if self.dist.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -141,6 +145,7 @@ class Trainer:
                 print(f"flux-train: resumed from {self.resume_from} at step {self.step}", flush=True)
 
     def save_checkpoint(self) -> Path:
+        self.heartbeat.beat(self.step, "checkpoint")
         progress = {"step": self.step, "eval_count": self.eval_count, "world_size": self.dist.world_size,
                     "samples": self.step * self.cfg.train.global_batch_size, "strategy": self.training.strategy}
         path = self.checkpointer.save(self.step, self.training, self.data.train.state_dict(), progress)
@@ -208,6 +213,7 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
+        self.heartbeat.beat(self.step + 1, "train")
         return self._step(lambda: next(self.data.train), lr_at(self.step, self.cfg.train.lr, self.cfg.train.warmup_steps))
 
     def _step(self, next_batch, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -249,6 +255,7 @@ class Trainer:
         """One validation pass, its MLLOG events included."""
         t = self.cfg.train
         samples = self.step * t.global_batch_size
+        self.heartbeat.beat(self.step, "eval")
         self.mllog.eval_start(samples)
         val_loss, count = evaluate(self.model, self.data.val(), device=self.device, dtype=self.dtype, seed=t.seed,
                                    eval_index=self.eval_count, rank=self.dist.rank, shift=t.latent_shift,
@@ -358,8 +365,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    cfg = trainer = None
     try:
-        status = Trainer(load_config(args.config, args.overrides)).run()
+        cfg = load_config(args.config, args.overrides)
+        trainer = Trainer(cfg)
+        status = trainer.run()
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -369,7 +379,17 @@ def main(argv=None) -> int:
     except preflight.PreflightError as exc:
         print(exc, file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # a collective failed or timed out (gloo says "Timed out"): say who did not arrive
+        if not (isinstance(exc, dist.DistError) or "Timed out" in str(exc)):
+            raise
+        world = dist.get_world_size() if dist.is_initialized() else 0
+        who = stragglers(Path(cfg.logging.out_dir) / "heartbeats", world) if cfg and world else "unknown"
+        print(f"collective failed on rank {dist.get_rank() if world else '?'} ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0][:200]}); {who}", file=sys.stderr, flush=True)
+        return EXIT_COLLECTIVE
     finally:
+        if trainer is not None:
+            trainer.heartbeat.stop()
         shutdown()
     return {Status.PREEMPTED: EXIT_PREEMPTED, Status.DIVERGED: EXIT_DIVERGED}.get(status, 0)
 

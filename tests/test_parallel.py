@@ -1,5 +1,6 @@
 """Data parallelism on the CPU (gloo, FSDP2): 2 ranks with half the batch each reproduce 1 rank's losses."""
 import json
+import os
 import subprocess
 import sys
 
@@ -108,3 +109,38 @@ def test_compiled_blocks_keep_checkpoint_names_and_initial_weights(strategy):
         assert all(torch.equal(plain[k], saved[k]) for k in plain)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
+    """SIGSTOP one of two workers: the other's next collective times out after parallel.timeout_s and the run
+    ends with exit code 4 and a line naming the silent rank and its host."""
+    import signal
+    import socket
+    import time
+
+    from processes import pid_with_env
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "-m", "flux_train.train", *ARGS, "--set", "train.max_steps=100000",
+                             "--set", "eval.enabled=false", "--set", "parallel.timeout_s=15",
+                             "--set", f"logging.out_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "FLUX_TEST_RUN": str(out)})
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists()
+                                              and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+            time.sleep(0.5)
+        victim = pid_with_env(RANK=1, FLUX_TEST_RUN=out)
+        assert victim, "rank 1 not found"
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.time()
+        output, _ = proc.communicate(timeout=180)
+        os.kill(victim, signal.SIGCONT) if os.path.exists(f"/proc/{victim}") else None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.time() - stopped < 15 + 60
+    line = next(line for line in output.splitlines() if "collective failed on rank 0" in line)
+    assert f"rank 1 on {socket.gethostname()} has been silent" in line, line

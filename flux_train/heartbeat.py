@@ -1,0 +1,84 @@
+"""Which ranks did not arrive: every rank keeps a small file in the run folder fresh, so that when a collective
+times out the ranks that wait can name the one that stopped.
+
+A background thread rewrites `<out_dir>/heartbeats/rank_00003` ("<step> <phase> <host> <unix time>") every few
+seconds with what the loop last reported (`beat`, no I/O on the training thread). A rank that is stopped, hung
+or dead stops refreshing its file; a rank that is alive but held up elsewhere keeps refreshing it with an older
+step or phase. The run folder is shared by all nodes.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+INTERVAL_S = 2.0
+
+
+@dataclass(frozen=True)
+class Beat:
+    rank: int
+    step: int
+    phase: str
+    host: str
+    time: float
+
+
+class Heartbeat:
+    def __init__(self, folder: Path, rank: int, interval_s: float = INTERVAL_S):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"rank_{rank:05d}"
+        self.host = socket.gethostname()
+        self.state = (0, "init")
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(interval_s,), name="flux-heartbeat", daemon=True)
+        self.thread.start()
+
+    def beat(self, step: int, phase: str) -> None:
+        self.state = (step, phase)
+
+    def _run(self, interval_s: float) -> None:
+        while not self.stopped.is_set():
+            step, phase = self.state
+            tmp = self.path.with_suffix(".tmp")
+            try:
+                tmp.write_text(f"{step} {phase} {self.host} {time.time():.1f}\n")
+                os.replace(tmp, self.path)  # readers never see half a line
+            except OSError:
+                pass  # a full or vanished run folder is reported elsewhere; the heartbeat is best effort
+            self.stopped.wait(interval_s)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+def read(folder: Path) -> list[Beat]:
+    beats = []
+    for f in sorted(folder.glob("rank_*")):
+        if f.suffix:
+            continue
+        try:
+            step, phase, host, when = f.read_text().split()
+        except (OSError, ValueError):
+            continue
+        beats.append(Beat(int(f.name.split("_")[1]), int(step), phase, host, float(when)))
+    return beats
+
+
+def stragglers(folder: Path, world: int, interval_s: float = INTERVAL_S) -> str:
+    """A sentence naming the ranks that stopped (no fresh heartbeat) or lag behind the others."""
+    now = time.time()
+    beats = {b.rank: b for b in read(folder)}
+    silent = [b for b in beats.values() if now - b.time > 3 * interval_s]
+    alive = [b for b in beats.values() if b not in silent]
+    front = max(((b.step, b.phase) for b in alive), default=None)
+    parts = [f"rank {b.rank} on {b.host} has been silent for {now - b.time:.0f} s (stopped, hung or dead; last at "
+             f"step {b.step}, {b.phase})" for b in sorted(silent, key=lambda b: b.rank)]
+    parts += [f"rank {b.rank} on {b.host} is at step {b.step} ({b.phase}), behind step {front[0]} ({front[1]})"
+              for b in sorted(alive, key=lambda b: b.rank) if front and (b.step, b.phase) != front]
+    parts += [f"rank {r} never reported" for r in sorted(set(range(world)) - set(beats))]
+    return "; ".join(parts) if parts else "every rank is alive at the same step: the collective itself stalled"
