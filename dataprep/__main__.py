@@ -9,7 +9,7 @@ from pathlib import Path
 
 import braceexpand
 
-from dataprep.format import DataprepError, Shape
+from dataprep.format import DataError, DataprepError, Shape
 
 DTYPES = {"bfloat16", "float32"}
 
@@ -17,7 +17,7 @@ DTYPES = {"bfloat16", "float32"}
 def _shape(text: str) -> Shape:
     try:
         return Shape.parse(text)
-    except DataprepError as exc:
+    except (DataprepError, DataError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -53,7 +53,8 @@ def _encoder_args(p: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dataprep", description="Prepare the flux1 energon dataset "
-                                "(DESIGN.md §4): convert or encode, empty-encodings, prepare, verify.")
+                                "(the format: dataprep/format.py): convert or encode, empty-encodings, prepare, "
+                                "verify; fixture writes a tiny one.")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("convert", help="MLCommons preprocessed HF datasets (Arrow) -> train/ and val/ shards",
@@ -69,14 +70,15 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("encode", help="raw image-caption pairs -> the same shards (VAE, T5, CLIP)",
                        description="Encode raw pairs with the reference's encoders from local weights. Train: "
                        "resize shorter side to 256 + centre crop; val: straight to 256x256, timestep = row mod 8.")
-    e.add_argument("--split", choices=("train", "val"), required=True)
+    e.add_argument("--split", choices=("train", "val"), required=True,
+                   help="which split to write: train (crop, no timestep) or val (squash, timestep = row mod 8)")
     e.add_argument("--wds", nargs="+", help="webdataset shards with jpg/png/webp + txt (paths, globs, {a..b})")
     e.add_argument("--images", type=Path, help="image folder (with --captions)")
     e.add_argument("--captions", type=Path, help="TSV with a header: file_name, caption (optional id/image_id)")
     e.add_argument("--out", type=Path, required=True, help="dataset root")
     e.add_argument("--vae", type=Path, required=True, help="local folder of the Flux VAE (FLUX.1-schnell: vae/)")
     _encoder_args(e)
-    e.add_argument("--batch-size", type=int, default=32)
+    e.add_argument("--batch-size", type=int, default=32, help="images and captions per encoder call (default 32)")
     e.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="image decoding threads")
     e.add_argument("--resize", choices=("crop", "squash"), help="default: crop for train, squash for val")
     _common(e)
@@ -86,22 +88,28 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--out", type=Path, required=True, help="dataset root")
     _encoder_args(m)
 
-    r = sub.add_parser("prepare", help="energon metadata (.nv-meta, CrudeWebdataset), no prompts")
-    r.add_argument("root", type=Path)
-    r.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    r = sub.add_parser("prepare", help="energon metadata (.nv-meta, CrudeWebdataset), no prompts, and the "
+                       "dataset's sample shape and counts",
+                       description="Index the shards for energon and record what the dataset holds (sample shape "
+                       "L,H,W from each split's first sample, samples and shards per split) in "
+                       ".nv-meta/flux_dataset.yaml, which verify and the trainer check against.")
+    r.add_argument("root", type=Path, help="dataset root (holding train/ and val/)")
+    r.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="indexing processes")
 
     v = sub.add_parser("verify", help="open through energon and check every sample; non-zero exit on defects")
-    v.add_argument("root", type=Path)
-    v.add_argument("--shape", type=_shape, default=Shape(), help="expected L,H,W (default 256,32,32)")
-    v.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    v.add_argument("root", type=Path, help="dataset root (holding .nv-meta/, train/, val/, empty_encodings/)")
+    v.add_argument("--shape", type=_shape, help="assert that the samples are L,H,W, e.g. 256,32,32 (default: "
+                   "check them against the shape the dataset records)")
+    v.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="energon loader worker processes (0: read in this process)")
 
     f = sub.add_parser("fixture", help="a tiny dataset in the same format, for tests and debug runs")
-    f.add_argument("--out", type=Path, required=True)
+    f.add_argument("--out", type=Path, required=True, help="dataset root to write")
     f.add_argument("--train", type=int, default=16, help="train samples")
     f.add_argument("--val", type=int, default=16, help="val samples (copies of train arrays, own keys)")
     f.add_argument("--shape", type=_shape, default=Shape(16, 8, 8), help="L,H,W (default 16,8,8)")
-    f.add_argument("--samples-per-shard", type=int, default=8)
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--samples-per-shard", type=int, default=8, help="samples per tar shard (default 8)")
+    f.add_argument("--seed", type=int, default=0, help="seed of the random samples")
     f.add_argument("--arrow", action="store_true", help="write the MLCommons HF (Arrow) input form instead: "
                    "<out>/train and <out>/val for `convert`")
     return p

@@ -1,9 +1,9 @@
 """`fixture`: a tiny dataset in the real format (any L, H, W), for tests and the debug run.
 
-Train samples are random (flux_train's synthetic set); val sample i copies the arrays of train sample
-i mod N under its own key (val keys continue after train), with timestep i mod 8, so a debug run can
-show that the trainer overfits. The same samples can instead be written as the MLCommons Hugging Face
-(Arrow) input of `convert`.
+Train samples are random (format.synthetic_samples, as in the trainer's synthetic source); val sample i
+copies the arrays of train sample i mod N under its own key (val keys continue after train), with timestep
+i mod 8, so a debug run can show that the trainer overfits. The same samples can instead be written as the
+MLCommons Hugging Face (Arrow) input of `convert`.
 """
 from __future__ import annotations
 
@@ -19,11 +19,10 @@ from typing import Iterable, Iterator
 import torch
 
 from dataprep.convert import COLUMNS
-from dataprep.format import CLIP_DIM, T5_DIM, Shape, encode_bf16, tar_sample, write_empty_encodings
+from dataprep.format import (CLIP_DIM, EVAL_TIMESTEP_BINS, PARTS, T5_DIM, Shape, encode_bf16, synthetic_samples,
+                             tar_sample, write_empty_encodings)
 from dataprep.prepare import prepare
 from dataprep.shards import SplitWriter, plan_shards
-from flux_train.data import PARTS, synthetic_samples
-from flux_train.flow import EVAL_TIMESTEP_BINS
 
 MARKER = "fixture.json"
 

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from dataprep.format import LATENT_CHANNELS, DataError
 from flux_train import checkpoint, flow, preflight
 from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
-from flux_train.data import LATENT_CHANNELS, DataError, build_data
+from flux_train.data import build_data
 from flux_train.diffusers_adapter import load_pretrained
 from flux_train.evaluate import evaluate
 from flux_train.heartbeat import Heartbeat, stragglers

@@ -10,8 +10,8 @@ from PIL import Image
 
 from dataprep import images
 from dataprep.__main__ import main
+from dataprep.format import decode_bf16
 from dataprep.prepare import prepare
-from flux_train.data import decode_bf16
 
 WORDS = "a photo of cat dog red blue green on the".split()
 
