@@ -143,8 +143,9 @@ def main(argv=None) -> int:
     ex = sub.add_parser("export", help="write a checkpoint's model as a diffusers FluxTransformer2DModel folder")
     ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
     ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
-    ex.add_argument("--out", required=True)
-    ex.add_argument("--set", dest="overrides", action="append", default=[])
+    ex.add_argument("--out", required=True, help="the diffusers folder to write (config.json + safetensors)")
+    ex.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one value of --config; repeatable")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)

@@ -166,6 +166,8 @@ class LoggingConfig:
     progress_bar: bool = True
     tensorboard: bool = False
     mllog_file: str = "mllog.log"
+    # MLLOG lines also on stdout (the system configs set it: the MLPerf recipes print them in the job log)
+    mllog_stdout: bool = False
     submission_org: str = "flux-train"
     submission_platform: str = "unknown"
     submission_division: Literal["closed", "open"] = "closed"

@@ -102,7 +102,7 @@ class Trainer:
                                                     cfg.checkpoint.async_save, cfg.checkpoint.every_steps)
         # a resumed run continues the same MLLOG file and does not start a second run in it
         self.mllog = MLLogger(self.out_dir / cfg.logging.mllog_file, enabled=self.dist.is_main,
-                              append=self.resume_from is not None)
+                              append=self.resume_from is not None, stdout=cfg.logging.mllog_stdout)
         if self.resume_from is None:
             self.mllog.run_parameters(cfg, self.dist.world_size)
             self.mllog.start(C.INIT_START)
@@ -361,6 +361,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/debug.yaml", help="YAML config (default: configs/debug.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value; repeatable")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (defaults: merged, --set applied) as YAML and exit")
     return p.parse_args(argv)
 
 
@@ -369,6 +371,9 @@ def main(argv=None) -> int:
     cfg = trainer = None
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None), end="")
+            return 0
         trainer = Trainer(cfg)
         status = trainer.run()
     except ConfigError as exc:
