@@ -121,18 +121,31 @@ def load(path: Path, training) -> tuple[dict, dict]:
     return progress, loader
 
 
-def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
-    """Offline export of a DCP checkpoint's weights as a diffusers folder, in one process (no GPU, no process
-    group). fsdp runs save fp32 weights, ddp runs their bf16 copy (the fp32 master is sharded by
-    flat position, not by tensor)."""
-    from flux_train.diffusers_adapter import save_diffusers
+def find_checkpoint(path: Path) -> Path | None:
+    """`path` if it is a complete checkpoint, else the latest complete one in it; None if there is none."""
+    if (path / "progress.pt").is_file():
+        return path
+    found = list_checkpoints(path)
+    return found[-1] if found else None
+
+
+def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A DCP checkpoint's model weights (our layout), read in one process (no GPU, no process group). fsdp runs
+    save fp32 weights, ddp runs their bf16 copy (the fp32 master is sharded by flat position, not by tensor)."""
     from flux_train.model import build_model
 
     model = build_model(cfg.model, rmsnorm_impl="torch")
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    save_diffusers(state["model"], cfg.model, out)
+    return state["model"]
+
+
+def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
+    """Offline export of a DCP checkpoint's weights as a diffusers folder."""
+    from flux_train.diffusers_adapter import save_diffusers
+
+    save_diffusers(read_weights(cfg, checkpoint), cfg.model, out)
 
 
 def main(argv=None) -> int:
@@ -152,13 +165,10 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    path = Path(args.checkpoint)
-    if not (path / "progress.pt").is_file():
-        found = list_checkpoints(path)
-        if not found:
-            print(f"no complete checkpoint in {path}", file=sys.stderr)
-            return 2
-        path = found[-1]
+    path = find_checkpoint(Path(args.checkpoint))
+    if path is None:
+        print(f"no complete checkpoint in {args.checkpoint}", file=sys.stderr)
+        return 2
     export_checkpoint(cfg, path, Path(args.out))
     print(f"exported {path} -> {args.out} (load with FluxTransformer2DModel.from_pretrained)")
     return 0

@@ -32,6 +32,8 @@ from flux_train.model import build_model, check_weights, count_params, flops_per
 from flux_train.optim import lr_at
 from flux_train.parallel import all_reduce_sum, build_training, checkpoint_blocks, init_distributed, shutdown
 from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
+from flux_train.report import write_report
+from flux_train.sample import Sampler, gathered_weights
 
 # blocks return slices of their joint sequence; we never modify them in place, which this FSDP2 warning is about
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -134,6 +136,9 @@ class Trainer:
         self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
         self.empty_t5 = self.data.empty_t5.to(self.device)
         self.empty_clip = self.data.empty_clip.to(self.device)
+        # eval.sample_prompts: rank 0 draws a grid of samples after each eval (_after_eval)
+        self.sampler = Sampler.for_run(cfg, self.device, self.dtype) if cfg.eval.sample_prompts and self.dist.is_main \
+            else None
         self.step = 0
         self.eval_count = 0
         self.stop_requested = False
@@ -267,6 +272,20 @@ class Trainer:
         self.mllog.eval_result(val_loss, samples)
         return val_loss
 
+    def _after_eval(self) -> None:
+        """After the eval's MLLOG events: the run report and, with eval.sample_prompts, a grid of samples."""
+        self._report()
+        if self.cfg.eval.sample_prompts:
+            weights = gathered_weights(self.model)  # collective: the full weights on rank 0
+            if self.sampler is not None:
+                path = self.out_dir / "samples" / f"step_{self.step:08d}.png"
+                path.parent.mkdir(exist_ok=True)
+                self.sampler.grid(weights).save(path)
+
+    def _report(self) -> None:
+        if self.dist.is_main:
+            write_report(self.out_dir, self.cfg.train.global_batch_size, self.cfg.eval.target)
+
     def _install_stop_signal(self) -> None:
         # Slurm's warning signal (submitit uses USR2) asks for a checkpoint at the next agreed step boundary
         def handler(signum, frame):
@@ -301,6 +320,10 @@ class Trainer:
         samples = self.step * t.global_batch_size
         if status != Status.PREEMPTED:  # a preempted run continues in the same log after the requeue
             self.mllog.run_stop(C.SUCCESS if status == Status.SUCCESS else C.ABORTED, samples)
+        if status == Status.SUCCESS:  # the successful eval's report and samples, after run_stop
+            self._after_eval()
+        else:
+            self._report()
         self._say(f"finished at step {self.step}, status {status.value}")
         return status
 
@@ -338,6 +361,7 @@ class Trainer:
                 metrics.emit({"step": self.step, "samples": samples, "val_loss": val_loss})
                 if val_loss <= cfg.eval.target:
                     return Status.SUCCESS
+                self._after_eval()
                 self.mllog.block_start(samples)
                 metrics.reset_window()
             if checkpoint_due:

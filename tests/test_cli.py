@@ -6,11 +6,12 @@ import pytest
 import yaml
 
 from dataprep.__main__ import main as dataprep
-from flux_train import bench, checkpoint, results, submit, train
+from flux_train import bench, checkpoint, results, sample, submit, train
 
 COMMANDS = {"python -m dataprep": dataprep, "python -m flux_train.train": train.main,
             "python -m flux_train.submit": submit.main, "python -m flux_train.bench": bench.main,
-            "python -m flux_train.results": results.main, "python -m flux_train.checkpoint": checkpoint.main}
+            "python -m flux_train.results": results.main, "python -m flux_train.checkpoint": checkpoint.main,
+            "python -m flux_train.sample": sample.main}
 
 
 def printed_help(main, argv, monkeypatch, capsys) -> argparse.ArgumentParser:

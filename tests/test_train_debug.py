@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 from flux_train.results import read_events
 from flux_train.train import main
@@ -14,7 +15,8 @@ from flux_train.train import main
 def debug_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("debug")
     proc = subprocess.run([sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml",
-                           "--set", f"logging.out_dir={out}"], capture_output=True, text=True, timeout=600)
+                           "--set", f"logging.out_dir={out}", "--set", "logging.tensorboard=true"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
@@ -32,6 +34,28 @@ def test_debug_run_overfits_and_stops_with_success(debug_run):
     assert "status success" in proc.stdout
     for key in ("loss", "lr", "grad_norm", "samples_per_s", "tflops_per_gpu", "data_wait_pct"):
         assert key in rows[0], key
+
+
+def test_report_png_draws_the_numbers_of_metrics_jsonl_and_tensorboard_has_them(debug_run):
+    out, _ = debug_run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    png = Image.open(out / "report.png")
+    assert png.format == "PNG" and png.size == (900, 1000)
+    drawn = json.loads(png.text["flux_train.report"])  # the numbers the panels plot
+    assert drawn["target"] == 0.586
+    assert drawn["val_loss"] == [[r["samples"], r["val_loss"]] for r in rows if "val_loss" in r]
+    assert drawn["train_loss"] == [[r["step"] * 8, r["loss"]] for r in rows if "loss" in r]  # GBS 8
+    assert drawn["samples_per_s_per_gpu"] == [[r["step"] * 8, r["samples_per_s_per_gpu"]] for r in rows if "loss" in r]
+    assert drawn["val_loss"][-1][1] <= 0.586  # the report of the run's end holds its last eval
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(out / "tensorboard"))
+    board.Reload()
+    for tag in ("loss", "val_loss", "samples_per_s_per_gpu"):
+        logged = [r for r in rows if tag in r]
+        assert [e.step for e in board.Scalars(tag)] == [r["step"] for r in logged]
+        assert [e.value for e in board.Scalars(tag)] == pytest.approx([r[tag] for r in logged], rel=1e-6)
 
 
 def test_mllog_has_every_key_in_order(debug_run):

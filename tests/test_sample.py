@@ -1,0 +1,111 @@
+"""Samples from trained weights through diffusers' FluxPipeline (the schnell sampler), with tiny random VAE/T5/CLIP
+(tests/tiny_models.py): the command writes a PNG grid of the asked size from a checkpoint, bad inputs end in one
+line, and the trainer draws a grid per eval after the eval's MLLOG events when eval.sample_prompts is set."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flux_train import sample, train
+from flux_train.checkpoint import read_weights
+from flux_train.config import load_config
+from flux_train.diffusers_adapter import to_diffusers
+from flux_train.results import read_events
+
+PROMPTS = ["a photo of a cat", "a red dog on the green", "blue"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A flux-debug run of 2 steps on the synthetic set, checkpointed at its end (in-process: no energon workers)."""
+    out = tmp_path_factory.mktemp("run")
+    assert train.main(["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", "eval.enabled=false",
+                       "--set", f"logging.out_dir={out}", "--set", "train.max_steps=2",
+                       "--set", "checkpoint.every_steps=2"]) == 0
+    return out
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(PROMPTS[:2]) + "\n\n" + PROMPTS[2] + "\n")  # blank lines are no prompts
+    return path
+
+
+def model_args(models, vae=None):
+    return ["--vae", str(vae or models / "vae"), "--t5", str(models / "t5"), "--t5-tokenizer", str(models / "tokenizer"),
+            "--clip", str(models / "clip"), "--clip-tokenizer", str(models / "tokenizer"), "--device", "cpu"]
+
+
+def cells(grid: Image.Image, size: int, columns: int) -> list[np.ndarray]:
+    array = np.asarray(grid).astype(int)
+    return [array[r * size:(r + 1) * size, c * size:(c + 1) * size] for r in range(grid.height // size)
+            for c in range(columns)]
+
+
+def test_sample_command_writes_a_grid_of_the_asked_size(trained, tiny_models, prompts, tmp_path, capsys):
+    out, exported = tmp_path / "grid.png", tmp_path / "exported"
+    rc = sample.main(["--checkpoint", str(trained / "checkpoints"), "--prompts", str(prompts), "--out", str(out),
+                      "--size", "32", "--columns", "2", "--exported", str(exported), *model_args(tiny_models)])
+    assert rc == 0, capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert f"wrote {out}: 3 images of 32x32 from {trained / 'checkpoints' / 'step_00000002'}" in printed.out
+    assert printed.err == ""  # the libraries' notes and progress bars stay quiet
+    grid = Image.open(out)
+    assert grid.format == "PNG" and grid.size == (64, 64)  # 3 images of 32 px in 2 columns
+    first, second, third, empty = cells(grid, 32, 2)
+    assert (empty == 255).all()  # the cell after the last prompt stays white
+    assert np.abs(first - second).mean() > 1 and np.abs(first - third).mean() > 1  # each prompt its own image
+
+    # the export is the checkpoint's model as diffusers loads it
+    from diffusers import FluxTransformer2DModel
+
+    cfg = load_config(trained / "config.yaml")
+    expected = to_diffusers(read_weights(cfg, trained / "checkpoints" / "step_00000002"), cfg.model)
+    loaded = FluxTransformer2DModel.from_pretrained(exported).state_dict()
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_bad_inputs_end_in_one_line(trained, tiny_models, prompts, tmp_path, capsys):
+    vae = tmp_path / "sd-vae"
+    vae.mkdir()
+    config = json.loads((tiny_models / "vae" / "config.json").read_text())
+    (vae / "config.json").write_text(json.dumps(config | {"scaling_factor": 0.18215, "shift_factor": None}))
+    (vae / "diffusion_pytorch_model.safetensors").symlink_to(tiny_models / "vae" / "diffusion_pytorch_model.safetensors")
+    base = ["--prompts", str(prompts), "--out", str(tmp_path / "grid.png")]
+    cases = [
+        (["--checkpoint", str(trained / "checkpoints"), *model_args(tiny_models, vae)],
+         f"error: the VAE in {vae} has scaling_factor 0.18215, shift_factor None; the model was trained with "
+         "train.latent_scale 0.3611, latent_shift 0.1159: give FLUX.1-schnell's vae/"),
+        (["--checkpoint", str(tmp_path), *model_args(tiny_models)],
+         f"error: --checkpoint {tmp_path}: no complete checkpoint there (no progress.pt)"),
+        (["--checkpoint", str(trained / "checkpoints"), "--size", "40", *model_args(tiny_models)],
+         "error: --size 40: must be a positive multiple of 16 (VAE 8x, then 2x2 patches)"),
+    ]
+    for args, message in cases:
+        assert sample.main([*base, *args]) == 2
+        assert capsys.readouterr().err == message + "\n"
+    assert not (tmp_path / "grid.png").exists()
+
+
+def test_trainer_draws_a_grid_after_each_eval_s_mllog_events(tiny_models, prompts, tmp_path):
+    flux = tmp_path / "FLUX.1-schnell"  # the pipeline folder layout eval.sample_weights names
+    flux.mkdir()
+    for name, source in (("vae", "vae"), ("text_encoder_2", "t5"), ("tokenizer_2", "tokenizer"),
+                         ("text_encoder", "clip"), ("tokenizer", "tokenizer")):
+        (flux / name).symlink_to(tiny_models / source)
+    out = tmp_path / "run"
+    assert train.main(["--config", "configs/debug.yaml", "--set", "data.source=synthetic",
+                       "--set", f"logging.out_dir={out}", "--set", "train.max_steps=4", "--set", "eval.every_steps=2",
+                       "--set", "logging.log_every=2", "--set", f"eval.sample_prompts={prompts}",
+                       "--set", f"eval.sample_weights={flux}"]) == 0
+    grids = sorted((out / "samples").iterdir())
+    assert [g.name for g in grids] == ["step_00000002.png", "step_00000004.png"]
+    assert all(Image.open(g).size == (512, 512) for g in grids)  # 3 images of 256 px, 2 columns
+    events = read_events(out / "mllog.log")
+    eval_stop = next(e["time_ms"] for e in events if e["key"] == "eval_stop")
+    block_start = [e["time_ms"] for e in events if e["key"] == "block_start"][1]
+    assert eval_stop <= grids[0].stat().st_mtime_ns / 1e6 <= block_start + 1  # between the eval and the next block
