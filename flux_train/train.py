@@ -281,6 +281,7 @@ class Trainer:
                 path = self.out_dir / "samples" / f"step_{self.step:08d}.png"
                 path.parent.mkdir(exist_ok=True)
                 self.sampler.grid(weights).save(path)
+                self._say(f"samples of step {self.step}: {path}")
 
     def _report(self) -> None:
         if self.dist.is_main:

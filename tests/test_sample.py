@@ -2,6 +2,8 @@
 (tests/tiny_models.py): the command writes a PNG grid of the asked size from a checkpoint, bad inputs end in one
 line, and the trainer draws a grid per eval after the eval's MLLOG events when eval.sample_prompts is set."""
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -91,21 +93,35 @@ def test_bad_inputs_end_in_one_line(trained, tiny_models, prompts, tmp_path, cap
     assert not (tmp_path / "grid.png").exists()
 
 
-def test_trainer_draws_a_grid_after_each_eval_s_mllog_events(tiny_models, prompts, tmp_path):
+def test_trainer_draws_the_grid_the_command_draws_after_each_eval_s_mllog_events(tiny_models, prompts, tmp_path):
+    """Two ranks (FSDP shards gathered to rank 0): a grid per eval, drawn between eval_stop and the next block_start,
+    the same pixels as the command draws from the checkpoint of that step."""
     flux = tmp_path / "FLUX.1-schnell"  # the pipeline folder layout eval.sample_weights names
     flux.mkdir()
     for name, source in (("vae", "vae"), ("text_encoder_2", "t5"), ("tokenizer_2", "tokenizer"),
                          ("text_encoder", "clip"), ("tokenizer", "tokenizer")):
         (flux / name).symlink_to(tiny_models / source)
     out = tmp_path / "run"
-    assert train.main(["--config", "configs/debug.yaml", "--set", "data.source=synthetic",
-                       "--set", f"logging.out_dir={out}", "--set", "train.max_steps=4", "--set", "eval.every_steps=2",
-                       "--set", "logging.log_every=2", "--set", f"eval.sample_prompts={prompts}",
-                       "--set", f"eval.sample_weights={flux}"]) == 0
+    args = ["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", f"logging.out_dir={out}",
+            "--set", "train.max_steps=4", "--set", "train.micro_batch_size=4", "--set", "eval.every_steps=2",
+            "--set", "logging.log_every=2", "--set", "checkpoint.every_steps=2",
+            "--set", f"eval.sample_prompts={prompts}", "--set", f"eval.sample_weights={flux}"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "flux_train.train", *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     grids = sorted((out / "samples").iterdir())
     assert [g.name for g in grids] == ["step_00000002.png", "step_00000004.png"]
+    assert f"samples of step 2: {grids[0]}" in proc.stdout
     assert all(Image.open(g).size == (512, 512) for g in grids)  # 3 images of 256 px, 2 columns
     events = read_events(out / "mllog.log")
     eval_stop = next(e["time_ms"] for e in events if e["key"] == "eval_stop")
     block_start = [e["time_ms"] for e in events if e["key"] == "block_start"][1]
     assert eval_stop <= grids[0].stat().st_mtime_ns / 1e6 <= block_start + 1  # between the eval and the next block
+
+    drawn = tmp_path / "drawn.png"
+    assert sample.main(["--checkpoint", str(out / "checkpoints" / "step_00000004"), "--prompts", str(prompts),
+                        "--out", str(drawn), *model_args(tiny_models)]) == 0
+    pixels = [np.asarray(Image.open(path)).astype(int) for path in (drawn, *grids)]
+    same_step, earlier_step = np.abs(pixels[0] - pixels[2]), np.abs(pixels[0] - pixels[1])
+    assert same_step.max() <= 1 and same_step.mean() < 0.01  # float rounding of other thread counts at most
+    assert earlier_step.mean() > 0.1  # two training steps earlier: other weights, other pixels
