@@ -23,8 +23,8 @@ PROMPTS = ["a photo of a cat", "a red dog on the green", "blue"]
 def trained(tmp_path_factory):
     """A flux-debug run of 2 steps on the synthetic set, checkpointed at its end (in-process: no energon workers)."""
     out = tmp_path_factory.mktemp("run")
-    assert train.main(["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", "eval.enabled=false",
-                       "--set", f"logging.out_dir={out}", "--set", "train.max_steps=2",
+    assert train.main(["--config", "configs/debug.yaml", "--set", "data.source=synthetic",
+                       "--set", "eval.enabled=false", "--set", f"logging.out_dir={out}", "--set", "train.max_steps=2",
                        "--set", "checkpoint.every_steps=2"]) == 0
     return out
 
@@ -37,8 +37,9 @@ def prompts(tmp_path):
 
 
 def model_args(models, vae=None):
-    return ["--vae", str(vae or models / "vae"), "--t5", str(models / "t5"), "--t5-tokenizer", str(models / "tokenizer"),
-            "--clip", str(models / "clip"), "--clip-tokenizer", str(models / "tokenizer"), "--device", "cpu"]
+    return ["--vae", str(vae or models / "vae"), "--t5", str(models / "t5"),
+            "--t5-tokenizer", str(models / "tokenizer"), "--clip", str(models / "clip"),
+            "--clip-tokenizer", str(models / "tokenizer"), "--device", "cpu"]
 
 
 def cells(grid: Image.Image, size: int, columns: int) -> list[np.ndarray]:
@@ -76,7 +77,8 @@ def test_bad_inputs_end_in_one_line(trained, tiny_models, prompts, tmp_path, cap
     vae.mkdir()
     config = json.loads((tiny_models / "vae" / "config.json").read_text())
     (vae / "config.json").write_text(json.dumps(config | {"scaling_factor": 0.18215, "shift_factor": None}))
-    (vae / "diffusion_pytorch_model.safetensors").symlink_to(tiny_models / "vae" / "diffusion_pytorch_model.safetensors")
+    weights = "diffusion_pytorch_model.safetensors"
+    (vae / weights).symlink_to(tiny_models / "vae" / weights)
     base = ["--prompts", str(prompts), "--out", str(tmp_path / "grid.png")]
     cases = [
         (["--checkpoint", str(trained / "checkpoints"), *model_args(tiny_models, vae)],
