@@ -10,13 +10,13 @@ from pathlib import Path
 import braceexpand
 
 from dataprep.encoders import add_encoder_arguments
-from dataprep.format import DataError, DataprepError, Shape
+from dataprep.format import DataprepError, Shape
 
 
 def _shape(text: str) -> Shape:
     try:
         return Shape.parse(text)
-    except (DataprepError, DataError) as exc:
+    except DataprepError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 

@@ -136,9 +136,9 @@ class Trainer:
         self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
         self.empty_t5 = self.data.empty_t5.to(self.device)
         self.empty_clip = self.data.empty_clip.to(self.device)
-        # eval.sample_prompts: rank 0 draws a grid of samples after each eval (_after_eval)
-        self.sampler = Sampler.for_run(cfg, self.device, self.dtype) if cfg.eval.sample_prompts and self.dist.is_main \
-            else None
+        self.sampler = None  # eval.sample_prompts: rank 0 draws a grid of samples after each eval (_after_eval)
+        if cfg.eval.sample_prompts and self.dist.is_main:
+            self.sampler = Sampler.for_run(cfg, self.device, self.dtype)
         self.step = 0
         self.eval_count = 0
         self.stop_requested = False
