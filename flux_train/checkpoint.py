@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from flux_train.config import ConfigError
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -49,7 +51,8 @@ def resolve_resume(cfg) -> Path | None:
         return found[-1] if found else None
     path = Path(choice)
     if not (path / "progress.pt").is_file():
-        raise FileNotFoundError(f"checkpoint.resume={choice}: not a complete checkpoint folder (no progress.pt)")
+        raise ConfigError(f"checkpoint.resume={choice}: not a complete checkpoint folder (no progress.pt); use a "
+                          "step_XXXXXXXX folder, auto (the latest in checkpoint.dir) or none")
     return path
 
 
@@ -136,7 +139,7 @@ def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from flux_train.config import ConfigError, load_config
+    from flux_train.config import load_config
 
     p = argparse.ArgumentParser(prog="python -m flux_train.checkpoint")
     sub = p.add_subparsers(dest="cmd", required=True)

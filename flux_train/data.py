@@ -131,8 +131,6 @@ def build_synthetic(cfg: Config, rank: int, world: int) -> DataSource:
     d, m = cfg.data, cfg.model
     train = synthetic_samples(d.synthetic_train_samples, d.synthetic_text_len, d.synthetic_latent_size,
                               d.synthetic_latent_size, m.joint_attention_dim, m.pooled_projection_dim, cfg.train.seed)
-    if d.synthetic_val_samples > d.synthetic_train_samples:
-        raise ValueError("data.synthetic_val_samples must be <= data.synthetic_train_samples")
     # val is a subset of train: the synthetic set exists to show the trainer can overfit it
     val = {k: v[:d.synthetic_val_samples] for k, v in train.items()}
     empty = synthetic_samples(1, d.synthetic_text_len, 2, 2, m.joint_attention_dim, m.pooled_projection_dim,

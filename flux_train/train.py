@@ -93,10 +93,11 @@ class Trainer:
         if cfg.preflight.enabled:
             preflight.run(cfg, self.dist.device, int(os.environ.get("LOCAL_RANK", 0)),
                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        self.resume_from = checkpoint.resolve_resume(cfg)
+        self._check_before_init()
         if self.dist.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        self.resume_from = checkpoint.resolve_resume(cfg)
         self.checkpointer = checkpoint.Checkpointer(checkpoint.checkpoint_dir(cfg), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save, cfg.checkpoint.every_steps)
         # a resumed run continues the same MLLOG file and does not start a second run in it
@@ -143,6 +144,23 @@ class Trainer:
             self.data.train.load_state_dict(loader_state)
             if self.dist.is_main:
                 print(f"flux-train: resumed from {self.resume_from} at step {self.step}", flush=True)
+
+    def _check_before_init(self) -> None:
+        """Inputs that would otherwise fail after init_start, or after minutes of building: one line each."""
+        cfg = self.cfg
+        log = self.out_dir / cfg.logging.mllog_file
+        if self.resume_from is not None and log.is_file() and '"key": "run_stop"' in log.read_text():
+            raise ConfigError(f"{self.out_dir} holds a finished run (run_stop in {log.name}); choose a new "
+                              "logging.out_dir, or set checkpoint.resume=none to start over in this one")
+        if cfg.data.source == "energon" and cfg.data.path and not Path(cfg.data.path).is_dir():
+            raise ConfigError(f"data.path {cfg.data.path} does not exist here; point it at the prepared dataset "
+                              "(python -m dataprep) or use data.source=synthetic")
+        if self.dist.device.type == "cpu":
+            need = count_params(build_model(cfg.model)) * 16 * self.dist.world_size  # weights, grads, AdamW, fp32
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if need > have:
+                raise ConfigError(f"model {cfg.model.flavor} needs ~{need / 2**30:.0f} GiB on the CPU, this host has "
+                                  f"{have / 2**30:.0f} GiB; use GPUs (train.device=cuda) or configs/debug.yaml")
 
     def save_checkpoint(self) -> Path:
         self.heartbeat.beat(self.step, "checkpoint")
