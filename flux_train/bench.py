@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from flux_train import flow
 from flux_train.config import Config, load_config
+from flux_train.data import synthetic_samples
 from flux_train.diffusers_adapter import diffusers_config
 from flux_train.model import build_model, flops_per_sample, init_weights
 from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
@@ -58,16 +59,14 @@ def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
 
 
 def synthetic_inputs(cfg: Config, batch: int, text_len: int, latent: int) -> tuple[dict, torch.Tensor]:
-    """Our model's kwargs (bf16, like flow.build_inputs) and a target, on the GPU."""
+    """Our model's kwargs and a target on the GPU, from a synthetic batch through the trainer's own path."""
+    m = cfg.model
+    samples = synthetic_samples(batch, text_len, latent, latent, m.joint_attention_dim, m.pooled_projection_dim, 0)
+    samples = {k: v.cuda() for k, v in samples.items()}
     g = torch.Generator(device="cuda").manual_seed(0)
-    m, tokens = cfg.model, (latent // 2) ** 2
-    kw = dict(img=torch.randn(batch, tokens, m.in_channels, device="cuda", generator=g),
-              img_ids=flow.image_ids(latent, latent, "cuda"),
-              txt=torch.randn(batch, text_len, m.joint_attention_dim, device="cuda", generator=g),
-              txt_ids=flow.text_ids(text_len, "cuda"), timesteps=torch.rand(batch, device="cuda", generator=g),
-              y=torch.randn(batch, m.pooled_projection_dim, device="cuda", generator=g))
-    kw = {k: v if k.endswith("_ids") else v.to(torch.bfloat16) for k, v in kw.items()}
-    return kw, torch.randn(batch, tokens, m.in_channels, device="cuda", generator=g)
+    inputs, target = flow.build_inputs(samples, torch.rand(batch, device="cuda", generator=g), g,
+                                       cfg.train.latent_shift, cfg.train.latent_scale, torch.bfloat16)
+    return inputs.as_kwargs(), target
 
 
 def as_diffusers_kwargs(kw: dict) -> dict:

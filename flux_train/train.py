@@ -21,7 +21,7 @@ import yaml
 
 from flux_train import checkpoint, flow, preflight
 from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
-from flux_train.data import LATENT_CHANNELS, DataError, build_data
+from flux_train.data import DataError, build_data, synthetic_samples
 from flux_train.diffusers_adapter import load_pretrained
 from flux_train.evaluate import evaluate
 from flux_train.heartbeat import Heartbeat, stragglers
@@ -256,10 +256,9 @@ class Trainer:
         reset. Text length comes from the empty encodings, the latent side from perf.warmup_latent_size."""
         if iters <= 0:
             return
-        b, side = self.cfg.train.micro_batch_size, self.cfg.perf.warmup_latent_size
-        batch = {"t5": self.data.empty_t5.expand(b, -1, -1).clone(), "clip": self.data.empty_clip.expand(b, -1).clone(),
-                 "mean": torch.zeros(b, LATENT_CHANNELS, side, side, dtype=torch.bfloat16),
-                 "logvar": torch.full((b, LATENT_CHANNELS, side, side), -4.0, dtype=torch.bfloat16)}
+        m, side = self.cfg.model, self.cfg.perf.warmup_latent_size
+        batch = synthetic_samples(self.cfg.train.micro_batch_size, self.data.empty_t5.shape[1], side, side,
+                                  m.joint_attention_dim, m.pooled_projection_dim, seed=0)
         step = self.step
         for _ in range(iters):
             self._step(lambda: batch, lr=0.0)
