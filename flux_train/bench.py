@@ -37,6 +37,7 @@ from flux_train import flow
 from flux_train.config import Config, load_config
 from flux_train.data import synthetic_samples
 from flux_train.diffusers_adapter import diffusers_config
+from flux_train.errors import UserError, reports_user_errors
 from flux_train.model import build_model, flops_per_sample, init_weights
 from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
 
@@ -376,6 +377,7 @@ def print_table(rows: list[dict]) -> None:
             print(f"{kind:28s}" + "".join(f" {r['profile'].get(kind, 0):23.1f}" for r in profiled))
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flux_train.bench", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/bench.yaml", help="the run config whose model and perf settings "
@@ -404,18 +406,14 @@ def main(argv=None) -> int:
     if args.table:
         print_table([json.loads(line) for line in open(args.table) if line.strip()])
         return 0
-    if not torch.cuda.is_available():
-        print("python -m flux_train.bench needs a GPU (python -m flux_train.bench --table FILE does not)",
-              file=sys.stderr)
-        return 2
     cfg = load_config(args.config, args.overrides)
     rows = (args.rows or "stock,ours").split(",")
     known = FWDBWD_ROWS if args.mode == "fwdbwd" else STEP_ROWS
     unknown = [r for r in rows if r not in known]
     if unknown:
-        print(f"--rows: unknown row '{unknown[0]}' for --mode {args.mode}; choose from {', '.join(known)}",
-              file=sys.stderr)
-        return 2
+        raise UserError(f"--rows: unknown row '{unknown[0]}' for --mode {args.mode}; choose from {', '.join(known)}")
+    if not torch.cuda.is_available():
+        raise UserError("python -m flux_train.bench measures GPUs and none is visible here (--table FILE needs none)")
     torch.backends.cuda.matmul.allow_tf32 = True
     select_attention_backend(cfg.perf.attention)
     if args.mode == "step" and not dist.is_initialized():

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from flux_train.config import ConfigError
+from flux_train.errors import reports_user_errors
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -134,10 +135,18 @@ def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
     model = build_model(cfg.model, rmsnorm_impl="torch")
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
+    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    for name, tensor in state["model"].items():
+        have = saved.get(f"model.{name}")
+        if have is None or tuple(have.size) != tuple(tensor.shape):
+            raise ConfigError(f"checkpoint {checkpoint} does not hold model flavor '{cfg.model.flavor}' ('{name}' is "
+                              f"{tuple(have.size) if have else 'missing'} there, {tuple(tensor.shape)} here); pass "
+                              "the config the run trained with")
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     save_diffusers(state["model"], cfg.model, out)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     from flux_train.config import load_config
 
@@ -146,20 +155,17 @@ def main(argv=None) -> int:
     ex = sub.add_parser("export", help="write a checkpoint's model as a diffusers FluxTransformer2DModel folder")
     ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
     ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
-    ex.add_argument("--out", required=True)
-    ex.add_argument("--set", dest="overrides", action="append", default=[])
+    ex.add_argument("--out", required=True, help="the diffusers folder to write (config.json + safetensors)")
+    ex.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config value; repeatable")
     args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
     path = Path(args.checkpoint)
     if not (path / "progress.pt").is_file():
         found = list_checkpoints(path)
         if not found:
-            print(f"no complete checkpoint in {path}", file=sys.stderr)
-            return 2
+            raise ConfigError(f"--checkpoint {path}: no complete checkpoint there (a step_XXXXXXXX folder with "
+                              "progress.pt, or the folder holding them)")
         path = found[-1]
     export_checkpoint(cfg, path, Path(args.out))
     print(f"exported {path} -> {args.out} (load with FluxTransformer2DModel.from_pretrained)")

@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from flux_train.errors import UserError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # Fixed by the MLPerf flux1 rules and reference (DESIGN.md §3).
@@ -25,8 +27,10 @@ TRAIN_SAMPLES = 1_099_776
 EVAL_SAMPLES = 29_696
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad configuration value; the message names the key path and what is accepted."""
+
+    label = "config error"
 
 
 @dataclass

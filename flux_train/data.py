@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from flux_train.config import Config
+from flux_train.errors import UserError
 
 LATENT_CHANNELS = 16
 
@@ -148,8 +149,10 @@ PARTS = ("t5", "clip", "mean", "logvar")
 EMPTY_T5, EMPTY_CLIP = "t5_empty.npy", "clip_empty.npy"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A defect in the data on disk; the message names the shard and sample (or file)."""
+
+    label = "data error"
 
 
 def decode_bf16(raw: bytes) -> torch.Tensor:

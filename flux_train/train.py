@@ -23,6 +23,7 @@ from flux_train import checkpoint, flow, preflight
 from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
 from flux_train.data import DataError, build_data, synthetic_samples
 from flux_train.diffusers_adapter import load_pretrained
+from flux_train.errors import reports_user_errors
 from flux_train.evaluate import evaluate
 from flux_train.heartbeat import Heartbeat, stragglers
 from flux_train.metrics import Metrics
@@ -380,6 +381,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = trainer = None
@@ -387,15 +389,6 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
         trainer = Trainer(cfg)
         status = trainer.run()
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    except DataError as exc:
-        print(f"data error: {exc}", file=sys.stderr)
-        return 2
-    except preflight.PreflightError as exc:
-        print(exc, file=sys.stderr)
-        return 2
     except RuntimeError as exc:  # a collective failed or timed out (gloo says "Timed out"): say who did not arrive
         if not (isinstance(exc, dist.DistError) or "Timed out" in str(exc)):
             raise
