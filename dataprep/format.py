@@ -29,8 +29,9 @@ METADATA = Path(".nv-meta") / "flux_dataset.yaml"  # relative to the dataset roo
 BF16_EXPONENT = 0x7F80  # all exponent bits set: Inf or NaN
 
 
-class DataError(ValueError):
-    """A defect in the data on disk; the message names the file (and shard and sample) and the fix."""
+class FormatError(ValueError):
+    """The data on disk breaks the format; the message names the file and the fix (the trainer reports it as its
+    data error)."""
 
 
 class DataprepError(Exception):
@@ -111,18 +112,6 @@ def sample_where(sample: dict) -> str:
     return f"{shard or '?'}: sample {sample.get('__key__', '?')}"
 
 
-def synthetic_samples(n: int, text_len: int, height: int, width: int, t5_dim: int, clip_dim: int,
-                      seed: int) -> dict:
-    """n random samples as bf16 tensors (the synthetic source, the debug fixture, warm-up batches)."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "t5": torch.randn(n, text_len, t5_dim, generator=g).to(torch.bfloat16),
-        "clip": torch.randn(n, clip_dim, generator=g).to(torch.bfloat16),
-        "mean": torch.randn(n, LATENT_CHANNELS, height, width, generator=g).to(torch.bfloat16),
-        "logvar": (torch.randn(n, LATENT_CHANNELS, height, width, generator=g) - 4.0).to(torch.bfloat16),
-    }
-
-
 # ---------------------------------------------------------------------------------------------- checks
 
 
@@ -197,7 +186,7 @@ def read_info(root: Path) -> Optional[DatasetInfo]:
         raw = yaml.safe_load(path.read_text())
         return DatasetInfo(Shape.parse(raw["shape"]), {s: dict(c) for s, c in raw["splits"].items()})
     except (yaml.YAMLError, DataprepError, KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise DataError(f"{path}: unreadable ({type(exc).__name__}: {exc}); rewrite it with "
+        raise FormatError(f"{path}: unreadable ({type(exc).__name__}: {exc}); rewrite it with "
                         f"`python -m dataprep prepare {root}`") from None
 
 
@@ -215,13 +204,13 @@ def load_empty_encodings(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
     for name, ndim in ((EMPTY_T5, 3), (EMPTY_CLIP, 2)):
         file = folder / name
         if not file.is_file():
-            raise DataError(f"{file}: missing; write it with `python -m dataprep empty-encodings` or point "
+            raise FormatError(f"{file}: missing; write it with `python -m dataprep empty-encodings` or point "
                             f"data.empty_encodings at the folder holding {EMPTY_T5} and {EMPTY_CLIP}")
         array = np.load(file, allow_pickle=False)
         if array.dtype not in (np.float16, np.float32):
-            raise DataError(f"{file}: dtype {array.dtype}, expected float16 values (as save_empty_encodings.py "
+            raise FormatError(f"{file}: dtype {array.dtype}, expected float16 values (as save_empty_encodings.py "
                             f"writes them)")
         if array.ndim != ndim or array.shape[0] != 1:
-            raise DataError(f"{file}: shape {list(array.shape)}, expected {ndim} dims with a leading 1")
+            raise FormatError(f"{file}: shape {list(array.shape)}, expected {ndim} dims with a leading 1")
         out.append(torch.from_numpy(array).to(torch.bfloat16))
     return out[0], out[1]

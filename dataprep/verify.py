@@ -23,7 +23,7 @@ from megatron.energon import (Cooker, CrudeSample, DefaultTaskEncoder, WorkerCon
 from megatron.energon.errors import reraise_exception
 
 from dataprep import progress
-from dataprep.format import (CLIP_DIM, EMPTY_CLIP, EMPTY_T5, METADATA, PARTS, T5_DIM, DataError, DatasetInfo, Shape,
+from dataprep.format import (CLIP_DIM, EMPTY_CLIP, EMPTY_T5, METADATA, PARTS, T5_DIM, DatasetInfo, FormatError, Shape,
                              check_sample, read_info, sample_meta, sample_where)
 from dataprep.prepare import DATASET_YAML, SPLITS
 from dataprep.shards import INDEX
@@ -92,7 +92,7 @@ def dataset_info(root: Path, asserted: Optional[Shape], report: Report) -> Optio
     """What the dataset says it is; `--shape` (asserted) must agree with it."""
     try:
         info = read_info(root)
-    except DataError as exc:
+    except FormatError as exc:
         report.defect(str(exc))
         return None
     if info is None:

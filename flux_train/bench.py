@@ -35,7 +35,9 @@ import torch.distributed as dist
 
 from flux_train import flow
 from flux_train.config import Config, load_config
+from flux_train.data import synthetic_samples
 from flux_train.diffusers_adapter import diffusers_config
+from flux_train.errors import UserError, reports_user_errors
 from flux_train.model import build_model, flops_per_sample, init_weights
 from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
 
@@ -58,16 +60,14 @@ def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
 
 
 def synthetic_inputs(cfg: Config, batch: int, text_len: int, latent: int) -> tuple[dict, torch.Tensor]:
-    """Our model's kwargs (bf16, like flow.build_inputs) and a target, on the GPU."""
+    """Our model's kwargs and a target on the GPU, from a synthetic batch through the trainer's own path."""
+    m = cfg.model
+    samples = synthetic_samples(batch, text_len, latent, latent, m.joint_attention_dim, m.pooled_projection_dim, 0)
+    samples = {k: v.cuda() for k, v in samples.items()}
     g = torch.Generator(device="cuda").manual_seed(0)
-    m, tokens = cfg.model, (latent // 2) ** 2
-    kw = dict(img=torch.randn(batch, tokens, m.in_channels, device="cuda", generator=g),
-              img_ids=flow.image_ids(latent, latent, "cuda"),
-              txt=torch.randn(batch, text_len, m.joint_attention_dim, device="cuda", generator=g),
-              txt_ids=flow.text_ids(text_len, "cuda"), timesteps=torch.rand(batch, device="cuda", generator=g),
-              y=torch.randn(batch, m.pooled_projection_dim, device="cuda", generator=g))
-    kw = {k: v if k.endswith("_ids") else v.to(torch.bfloat16) for k, v in kw.items()}
-    return kw, torch.randn(batch, tokens, m.in_channels, device="cuda", generator=g)
+    inputs, target = flow.build_inputs(samples, torch.rand(batch, device="cuda", generator=g), g,
+                                       cfg.train.latent_shift, cfg.train.latent_scale, torch.bfloat16)
+    return inputs.as_kwargs(), target
 
 
 def as_diffusers_kwargs(kw: dict) -> dict:
@@ -377,6 +377,7 @@ def print_table(rows: list[dict]) -> None:
             print(f"{kind:28s}" + "".join(f" {r['profile'].get(kind, 0):23.1f}" for r in profiled))
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flux_train.bench", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/bench.yaml", help="the run config whose model and perf settings "
@@ -405,18 +406,14 @@ def main(argv=None) -> int:
     if args.table:
         print_table([json.loads(line) for line in open(args.table) if line.strip()])
         return 0
-    if not torch.cuda.is_available():
-        print("python -m flux_train.bench needs a GPU (python -m flux_train.bench --table FILE does not)",
-              file=sys.stderr)
-        return 2
     cfg = load_config(args.config, args.overrides)
     rows = (args.rows or "stock,ours").split(",")
     known = FWDBWD_ROWS if args.mode == "fwdbwd" else STEP_ROWS
     unknown = [r for r in rows if r not in known]
     if unknown:
-        print(f"--rows: unknown row '{unknown[0]}' for --mode {args.mode}; choose from {', '.join(known)}",
-              file=sys.stderr)
-        return 2
+        raise UserError(f"--rows: unknown row '{unknown[0]}' for --mode {args.mode}; choose from {', '.join(known)}")
+    if not torch.cuda.is_available():
+        raise UserError("python -m flux_train.bench measures GPUs and none is visible here (--table FILE needs none)")
     torch.backends.cuda.matmul.allow_tf32 = True
     select_attention_backend(cfg.perf.attention)
     if args.mode == "step" and not dist.is_initialized():

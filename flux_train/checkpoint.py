@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from flux_train.config import ConfigError
+from flux_train.errors import reports_user_errors
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -49,7 +52,8 @@ def resolve_resume(cfg) -> Path | None:
         return found[-1] if found else None
     path = Path(choice)
     if not (path / "progress.pt").is_file():
-        raise FileNotFoundError(f"checkpoint.resume={choice}: not a complete checkpoint folder (no progress.pt)")
+        raise ConfigError(f"checkpoint.resume={choice}: not a complete checkpoint folder (no progress.pt); use a "
+                          "step_XXXXXXXX folder, auto (the latest in checkpoint.dir) or none")
     return path
 
 
@@ -137,6 +141,13 @@ def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
     model = build_model(cfg.model, rmsnorm_impl="torch")
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
+    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    for name, tensor in state["model"].items():
+        have = saved.get(f"model.{name}")
+        if have is None or tuple(have.size) != tuple(tensor.shape):
+            raise ConfigError(f"checkpoint {checkpoint} does not hold model flavor '{cfg.model.flavor}' ('{name}' is "
+                              f"{tuple(have.size) if have else 'missing'} there, {tuple(tensor.shape)} here); pass "
+                              "the config the run trained with")
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     return state["model"]
 
@@ -148,8 +159,9 @@ def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
     save_diffusers(read_weights(cfg, checkpoint), cfg.model, out)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
-    from flux_train.config import ConfigError, load_config
+    from flux_train.config import load_config
 
     p = argparse.ArgumentParser(prog="python -m flux_train.checkpoint")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -158,17 +170,13 @@ def main(argv=None) -> int:
     ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
     ex.add_argument("--out", required=True, help="the diffusers folder to write (config.json + safetensors)")
     ex.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override one value of --config; repeatable")
+                    help="override one config value; repeatable")
     args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
     path = find_checkpoint(Path(args.checkpoint))
     if path is None:
-        print(f"no complete checkpoint in {args.checkpoint}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--checkpoint {args.checkpoint}: no complete checkpoint there (a step_XXXXXXXX folder "
+                          "with progress.pt, or the folder holding them)")
     export_checkpoint(cfg, path, Path(args.out))
     print(f"exported {path} -> {args.out} (load with FluxTransformer2DModel.from_pretrained)")
     return 0

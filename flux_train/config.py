@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from flux_train.errors import UserError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # Fixed by the MLPerf flux1 rules and reference (DESIGN.md §3).
@@ -25,8 +27,10 @@ TRAIN_SAMPLES = 1_099_776
 EVAL_SAMPLES = 29_696
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad configuration value; the message names the key path and what is accepted."""
+
+    label = "config error"
 
 
 @dataclass
@@ -423,6 +427,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
          "replay; set parallel.strategy=ddp (weights and gradient buffers stay in place)")
     need(not cfg.perf.cuda_graphs or cfg.perf.warmup_iters >= 1,
          "perf.cuda_graphs: graphs are captured during the warm-up before run_start; set perf.warmup_iters >= 1")
+    need(cfg.data.synthetic_val_samples <= cfg.data.synthetic_train_samples,
+         f"data.synthetic_val_samples {cfg.data.synthetic_val_samples} > data.synthetic_train_samples "
+         f"{cfg.data.synthetic_train_samples}: the synthetic val set is a subset of the train set")
     need(p.timeout_s >= 10, f"parallel.timeout_s: must be >= 10 seconds, got {p.timeout_s}")
     need(cfg.perf.warmup_latent_size > 0 and cfg.perf.warmup_latent_size % 2 == 0,
          f"perf.warmup_latent_size: must be a positive even number (2x2 patches), got {cfg.perf.warmup_latent_size}")

@@ -16,8 +16,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from dataprep.format import synthetic_samples
+from dataprep.format import LATENT_CHANNELS
 from flux_train.config import Config
+from flux_train.errors import UserError
 
 
 @dataclass
@@ -43,6 +44,17 @@ class TrainStream:
 
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError
+
+
+def synthetic_samples(n: int, text_len: int, height: int, width: int, t5_dim: int, clip_dim: int,
+                      seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "t5": torch.randn(n, text_len, t5_dim, generator=g).to(torch.bfloat16),
+        "clip": torch.randn(n, clip_dim, generator=g).to(torch.bfloat16),
+        "mean": torch.randn(n, LATENT_CHANNELS, height, width, generator=g).to(torch.bfloat16),
+        "logvar": (torch.randn(n, LATENT_CHANNELS, height, width, generator=g) - 4.0).to(torch.bfloat16),
+    }
 
 
 class SyntheticTrainStream(TrainStream):
@@ -112,8 +124,6 @@ def build_synthetic(cfg: Config, rank: int, world: int) -> DataSource:
     d, m = cfg.data, cfg.model
     train = synthetic_samples(d.synthetic_train_samples, d.synthetic_text_len, d.synthetic_latent_size,
                               d.synthetic_latent_size, m.joint_attention_dim, m.pooled_projection_dim, cfg.train.seed)
-    if d.synthetic_val_samples > d.synthetic_train_samples:
-        raise ValueError("data.synthetic_val_samples must be <= data.synthetic_train_samples")
     # val is a subset of train: the synthetic set exists to show the trainer can overfit it
     val = {k: v[:d.synthetic_val_samples] for k, v in train.items()}
     empty = synthetic_samples(1, d.synthetic_text_len, 2, 2, m.joint_attention_dim, m.pooled_projection_dim,
@@ -122,6 +132,12 @@ def build_synthetic(cfg: Config, rank: int, world: int) -> DataSource:
                                   cfg.train.seed)
     return DataSource(stream, _synthetic_val(val, rank, world, cfg.eval.batch_size), empty["t5"],
                       empty["clip"], d.synthetic_val_samples)
+
+
+class DataError(UserError, ValueError):
+    """A defect in the data on disk; the message names the shard and sample (or file)."""
+
+    label = "data error"
 
 
 def build_data(cfg: Config, rank: int, world: int) -> DataSource:

@@ -15,10 +15,10 @@ from megatron.energon import (Cooker, CrudeSample, DefaultTaskEncoder, WorkerCon
 from megatron.energon.errors import reraise_exception
 from megatron.energon.flavors.webdataset.sharder import Sharder
 
-from dataprep.format import (METADATA, PARTS, DataError, DatasetInfo, decode_bf16, load_empty_encodings, read_info,
+from dataprep.format import (METADATA, PARTS, DatasetInfo, FormatError, decode_bf16, load_empty_encodings, read_info,
                              sample_meta, sample_where)
 from flux_train.config import Config, ConfigError, DataConfig, ModelConfig
-from flux_train.data import DataSource, TrainStream
+from flux_train.data import DataError, DataSource, TrainStream
 
 # energon's loaders always ask for page-locked memory; on a host without a GPU torch warns that there is none
 warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found")
@@ -232,8 +232,12 @@ def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
         raise DataError(f"{path}: not a prepared energon dataset (no .nv-meta/dataset.yaml); run "
                         f"`python -m dataprep prepare {path}`")
     empty_dir = Path(d.empty_encodings) if d.empty_encodings else path / "empty_encodings"
-    empty_t5, empty_clip = load_empty_encodings(empty_dir)
-    dims = DimsCheck(path, read_info(path), empty_t5, empty_clip, cfg.model, empty_dir)
+    try:
+        empty_t5, empty_clip = load_empty_encodings(empty_dir)
+        info = read_info(path)
+    except FormatError as exc:
+        raise DataError(str(exc)) from None
+    dims = DimsCheck(path, info, empty_t5, empty_clip, cfg.model, empty_dir)
     val = EnergonVal(path, rank, world, cfg.eval.batch_size, d.num_workers, check_sample=dims)
     train = EnergonTrainStream(path, rank, world, cfg.train.micro_batch_size, d, cfg.train.seed)
     return DataSource(train, val, empty_t5, empty_clip, val.size)

@@ -19,14 +19,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flux_train.config import Config, ConfigError, load_config
+from flux_train.config import Config, load_config
+from flux_train.errors import UserError, reports_user_errors
 
 # a worker's own CUDA context and allocator reserve; more in use before the run allocates means another process
 IDLE_GPU_USED_GIB = 4.0
 
 
-class PreflightError(RuntimeError):
-    """One or more nodes failed pre-flight; the message has one line per node."""
+class PreflightError(UserError):
+    """One or more nodes failed pre-flight; the message has one line per node ("pre-flight: HOST: ...")."""
+
+    label = ""
 
 
 def node_problems(cfg: Config, device: torch.device, gpus_per_node: int) -> list[str]:
@@ -106,6 +109,7 @@ def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) 
     return busbw
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     import os
 
@@ -116,13 +120,10 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one config value; repeatable")
     args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
     try:
-        cfg = load_config(args.config, args.overrides)
         d = init_distributed(cfg.parallel, cfg.train.device)
         run(cfg, d.device, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    except (ConfigError, PreflightError) as exc:
-        print(exc, file=sys.stderr)
-        return 2
     finally:
         shutdown()
     return 0

@@ -26,6 +26,7 @@ from mlperf_logging.compliance_checker import mlp_compliance
 from mlperf_logging.rcp_checker import rcp_checker
 
 from flux_train.config import TARGET_VAL_LOSS
+from flux_train.errors import UserError, reports_user_errors
 from flux_train.report import draw_val_loss
 
 USAGE, RULESET = "training", "6.0.0"
@@ -91,14 +92,20 @@ class Rcp:
 
 
 def find_logs(paths: list[str]) -> list[tuple[str, Path]]:
-    """(name, log) per run: a log file, a folder with mllog.log, or a folder of result_*.txt (one run each)."""
+    """(name, log) per run: a log file, a folder with mllog.log, a folder of result_*.txt (one run each), or a
+    campaign folder whose subfolders hold one run each."""
     found = []
     for p in map(Path, paths):
+        if not p.exists():
+            raise UserError(f"{p} does not exist: give a run's out_dir, a folder of result_*.txt or a log file")
         results = sorted(p.glob("result_*.txt"), key=lambda f: (len(f.name), f.name)) if p.is_dir() else []
+        runs = sorted(d for d in p.iterdir() if (d / MLLOG_FILE).is_file()) if p.is_dir() else []
         if p.is_dir() and (p / MLLOG_FILE).is_file():
             found.append((str(p), p / MLLOG_FILE))
         elif results:
             found += [(str(f), f) for f in results]
+        elif runs:  # a campaign folder (python -m flux_train.submit --runs N): one run folder each
+            found += [(str(d), d / MLLOG_FILE) for d in runs]
         else:
             found.append((str(p), p))  # a log file, or nothing readable: read_events says which
     return found
@@ -348,9 +355,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     runs = [summarize_run(name, log) for name, log in find_logs(args.runs)]
+    if all(r.error for r in runs):
+        raise UserError("no readable MLLOG in " + ", ".join(f"{r.name} ({r.error})" for r in runs))
     score, samples, rcp = mlperf_score(runs), samples_to_converge(runs), check_rcp(runs)
     plot = args.out / PLOT_FILE
     plot_val_loss(runs, plot)

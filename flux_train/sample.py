@@ -25,8 +25,9 @@ from PIL import Image
 
 from dataprep.encoders import ImageEncoder, TextEncoders, add_encoder_arguments, device_and_dtype
 from dataprep.format import DataprepError
-from flux_train.config import Config, ConfigError, ModelConfig, TrainConfig, load_config
+from flux_train.config import Config, ModelConfig, TrainConfig, load_config
 from flux_train.diffusers_adapter import diffusers_config, save_diffusers, to_diffusers
+from flux_train.errors import UserError, reports_user_errors
 
 STEPS = 4  # Flux.1-schnell's sampler: 4 steps, guidance-distilled (no classifier-free guidance)
 # FLUX.1-schnell's scheduler_config.json: Euler over the flow, no resolution-dependent shift
@@ -57,9 +58,9 @@ def read_prompts(path: str | Path) -> list[str]:
     try:
         prompts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     except OSError as exc:
-        raise ConfigError(f"prompts file {path}: {exc.strerror}") from None
+        raise UserError(f"prompts file {path}: {exc.strerror}") from None
     if not prompts:
-        raise ConfigError(f"prompts file {path}: no prompts in it (one per line)")
+        raise UserError(f"prompts file {path}: no prompts in it (one per line)")
     return prompts
 
 
@@ -93,15 +94,18 @@ class Sampler:
     def __init__(self, weights: Weights, prompts: list[str], model: ModelConfig, train: TrainConfig,
                  device: torch.device, dtype: torch.dtype):
         quiet_libraries()
-        text = TextEncoders(weights.t5, weights.clip, weights.t5_tokenizer, weights.clip_tokenizer, device, dtype)
+        try:
+            text = TextEncoders(weights.t5, weights.clip, weights.t5_tokenizer, weights.clip_tokenizer, device, dtype)
+            self.vae = ImageEncoder(weights.vae, device, dtype).vae
+        except DataprepError as exc:  # a folder that holds no such model, named
+            raise UserError(str(exc)) from None
         self.t5, self.clip = (e.to(device, dtype) for e in text(prompts))
         del text
-        self.vae = ImageEncoder(weights.vae, device, dtype).vae
         # the pipeline decodes latents / scaling_factor + shift_factor: the inverse of the training's
         # (z - latent_shift) * latent_scale only with the Flux VAE's factors
         factors = (self.vae.config.get("scaling_factor"), self.vae.config.get("shift_factor"))
         if factors != (train.latent_scale, train.latent_shift):
-            raise ConfigError(f"the VAE in {weights.vae} has scaling_factor {factors[0]}, shift_factor {factors[1]}; "
+            raise UserError(f"the VAE in {weights.vae} has scaling_factor {factors[0]}, shift_factor {factors[1]}; "
                               f"the model was trained with train.latent_scale {train.latent_scale}, latent_shift "
                               f"{train.latent_shift}: give FLUX.1-schnell's vae/")
         self.model, self.device, self.dtype = model, device, dtype
@@ -145,7 +149,7 @@ def run_config_file(checkpoint: Path) -> Path:
     for folder in [checkpoint, *checkpoint.resolve().parents][:4]:
         if (folder / "config.yaml").is_file():
             return folder / "config.yaml"
-    raise ConfigError(f"no config.yaml in {checkpoint} or the folders above it; pass --config with the run's "
+    raise UserError(f"no config.yaml in {checkpoint} or the folders above it; pass --config with the run's "
                       f"config.yaml (it names the model flavor)")
 
 
@@ -168,23 +172,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     from flux_train.checkpoint import find_checkpoint, read_weights
 
     args = parse_args(argv)
+    if args.size <= 0 or args.size % 16:
+        raise UserError(f"--size {args.size}: must be a positive multiple of 16 (VAE 8x, then 2x2 patches)")
+    checkpoint = find_checkpoint(args.checkpoint)
+    if checkpoint is None:
+        raise UserError(f"--checkpoint {args.checkpoint}: no complete checkpoint there (a step_XXXXXXXX folder with "
+                        "progress.pt, or the folder holding them)")
+    cfg = load_config(args.config or run_config_file(checkpoint))
+    prompts = read_prompts(args.prompts)
+    weights = Weights(args.vae, args.t5, args.t5_tokenizer or args.t5, args.clip, args.clip_tokenizer or args.clip)
     try:
-        if args.size <= 0 or args.size % 16:
-            raise ConfigError(f"--size {args.size}: must be a positive multiple of 16 (VAE 8x, then 2x2 patches)")
-        checkpoint = find_checkpoint(args.checkpoint)
-        if checkpoint is None:
-            raise ConfigError(f"--checkpoint {args.checkpoint}: no complete checkpoint there (no progress.pt)")
-        cfg = load_config(args.config or run_config_file(checkpoint))
-        prompts = read_prompts(args.prompts)
-        weights = Weights(args.vae, args.t5, args.t5_tokenizer or args.t5, args.clip, args.clip_tokenizer or args.clip)
-        sampler = Sampler(weights, prompts, cfg.model, cfg.train, *device_and_dtype(args))
-    except (ConfigError, DataprepError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        device, dtype = device_and_dtype(args)
+    except DataprepError as exc:  # --device cuda without a GPU
+        raise UserError(str(exc)) from None
+    sampler = Sampler(weights, prompts, cfg.model, cfg.train, device, dtype)
     state = read_weights(cfg, checkpoint)
     if args.exported:
         save_diffusers(state, cfg.model, args.exported)

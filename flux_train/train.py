@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from dataprep.format import LATENT_CHANNELS, DataError
 from flux_train import checkpoint, flow, preflight
 from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
-from flux_train.data import build_data
+from flux_train.data import DataError, build_data, synthetic_samples
 from flux_train.diffusers_adapter import load_pretrained
+from flux_train.errors import reports_user_errors
 from flux_train.evaluate import evaluate
 from flux_train.heartbeat import Heartbeat, stragglers
 from flux_train.metrics import Metrics
@@ -96,10 +96,11 @@ class Trainer:
         if cfg.preflight.enabled:
             preflight.run(cfg, self.dist.device, int(os.environ.get("LOCAL_RANK", 0)),
                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        self.resume_from = checkpoint.resolve_resume(cfg)
+        self._check_before_init()
         if self.dist.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        self.resume_from = checkpoint.resolve_resume(cfg)
         self.checkpointer = checkpoint.Checkpointer(checkpoint.checkpoint_dir(cfg), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save, cfg.checkpoint.every_steps)
         # a resumed run continues the same MLLOG file and does not start a second run in it
@@ -149,6 +150,23 @@ class Trainer:
             self.data.train.load_state_dict(loader_state)
             if self.dist.is_main:
                 print(f"flux-train: resumed from {self.resume_from} at step {self.step}", flush=True)
+
+    def _check_before_init(self) -> None:
+        """Inputs that would otherwise fail after init_start, or after minutes of building: one line each."""
+        cfg = self.cfg
+        log = self.out_dir / cfg.logging.mllog_file
+        if self.resume_from is not None and log.is_file() and '"key": "run_stop"' in log.read_text():
+            raise ConfigError(f"{self.out_dir} holds a finished run (run_stop in {log.name}); choose a new "
+                              "logging.out_dir, or set checkpoint.resume=none to start over in this one")
+        if cfg.data.source == "energon" and cfg.data.path and not Path(cfg.data.path).is_dir():
+            raise ConfigError(f"data.path {cfg.data.path} does not exist here; point it at the prepared dataset "
+                              "(python -m dataprep) or use data.source=synthetic")
+        if self.dist.device.type == "cpu":
+            need = count_params(build_model(cfg.model)) * 16 * self.dist.world_size  # weights, grads, AdamW, fp32
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if need > have:
+                raise ConfigError(f"model {cfg.model.flavor} needs ~{need / 2**30:.0f} GiB on the CPU, this host has "
+                                  f"{have / 2**30:.0f} GiB; use GPUs (train.device=cuda) or configs/debug.yaml")
 
     def save_checkpoint(self) -> Path:
         self.heartbeat.beat(self.step, "checkpoint")
@@ -244,10 +262,9 @@ class Trainer:
         reset. Text length comes from the empty encodings, the latent side from perf.warmup_latent_size."""
         if iters <= 0:
             return
-        b, side = self.cfg.train.micro_batch_size, self.cfg.perf.warmup_latent_size
-        batch = {"t5": self.data.empty_t5.expand(b, -1, -1).clone(), "clip": self.data.empty_clip.expand(b, -1).clone(),
-                 "mean": torch.zeros(b, LATENT_CHANNELS, side, side, dtype=torch.bfloat16),
-                 "logvar": torch.full((b, LATENT_CHANNELS, side, side), -4.0, dtype=torch.bfloat16)}
+        m, side = self.cfg.model, self.cfg.perf.warmup_latent_size
+        batch = synthetic_samples(self.cfg.train.micro_batch_size, self.data.empty_t5.shape[1], side, side,
+                                  m.joint_attention_dim, m.pooled_projection_dim, seed=0)
         step = self.step
         for _ in range(iters):
             self._step(lambda: batch, lr=0.0)
@@ -391,6 +408,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = trainer = None
@@ -401,15 +419,6 @@ def main(argv=None) -> int:
             return 0
         trainer = Trainer(cfg)
         status = trainer.run()
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    except DataError as exc:
-        print(f"data error: {exc}", file=sys.stderr)
-        return 2
-    except preflight.PreflightError as exc:
-        print(exc, file=sys.stderr)
-        return 2
     except RuntimeError as exc:  # a collective failed or timed out (gloo says "Timed out"): say who did not arrive
         if not (isinstance(exc, dist.DistError) or "Timed out" in str(exc)):
             raise

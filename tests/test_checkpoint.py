@@ -91,8 +91,24 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
         assert progress["step"] == 4 and loader == {"consumed": 4}
     finally:
         dist.destroy_process_group()
-    # and a real resume continues from step 4
+    # and a real resume continues from step 4; a crashed run has no run_stop (a finished one is not restarted)
+    log = out / "mllog.log"
+    log.write_text("".join(line for line in log.read_text().splitlines(True) if '"run_stop"' not in line))
     assert "resumed from" in run(out, "--set", "train.max_steps=5")
+
+
+def test_a_finished_run_is_not_started_again(tmp_path):
+    out = tmp_path / "run"
+    run(out, "--set", "train.max_steps=2", "--set", "checkpoint.every_steps=2")
+    proc = subprocess.run([sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml",
+                           "--set", f"logging.out_dir={out}", *COMMON, "--set", "train.max_steps=4"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"config error: {out} holds a finished run (run_stop in mllog.log); choose a new logging.out_dir, or set "
+        "checkpoint.resume=none to start over in this one"]
+    keys = [e["key"] for e in read_events(out / "mllog.log")]
+    assert keys.count("run_stop") == 1 and keys.count("init_start") == 1
 
 
 def test_retention_keeps_last_k(tmp_path):

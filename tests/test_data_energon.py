@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from dataprep.fixture import FixtureSpec, fixture_samples, write_fixture
-from dataprep.format import (METADATA, DataError, DatasetInfo, Shape, decode_bf16, encode_bf16, load_empty_encodings,
-                             read_info, write_empty_encodings, write_info)
+from dataprep.format import (METADATA, DatasetInfo, FormatError, Shape, decode_bf16, encode_bf16,
+                             load_empty_encodings, read_info, write_empty_encodings, write_info)
 from flux_train.config import DataConfig, load_config
+from flux_train.data import DataError
 from flux_train.energon_data import EnergonTrainStream, EnergonVal, build_energon, cook, val_counts
 
 SPEC = FixtureSpec(train=24, val=13, text_len=4, height=2, width=2, seed=3, samples_per_shard=5)
@@ -183,9 +184,9 @@ def test_empty_encodings_are_float16_values_converted_not_viewed(tmp_path):
     assert t5.dtype == clip.dtype == torch.bfloat16
     assert t5.shape == (1, 1, 3) and clip.float().tolist() == [[0.5, -1.25, 3.0]]
     np.save(tmp_path / "clip_empty.npy", np.zeros((1, 3), np.uint16))
-    with pytest.raises(DataError, match="clip_empty.npy: dtype uint16, expected float16 values"):
+    with pytest.raises(FormatError, match="clip_empty.npy: dtype uint16, expected float16 values"):
         load_empty_encodings(tmp_path)
-    with pytest.raises(DataError, match="missing; write it with `python -m dataprep empty-encodings`"):
+    with pytest.raises(FormatError, match="missing; write it with `python -m dataprep empty-encodings`"):
         load_empty_encodings(tmp_path / "nowhere")
 
 

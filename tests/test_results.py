@@ -221,3 +221,14 @@ def test_plot_is_a_real_png(runs, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     pixels = image.imread(png)
     assert pixels.shape[0] > 300 and pixels.shape[1] > 500 and np.std(pixels) > 0.05
+
+
+def test_a_campaign_folder_is_read_run_by_run(runs, tmp_path):
+    """The folder `submit --runs N` writes (one run folder each) reads as its runs, in name order."""
+    campaign = tmp_path / "campaign"
+    for i in range(3):
+        rewrite(runs / "run_1" / "mllog.log", campaign / f"run_{i:02d}" / "mllog.log", retimed(3 + i))
+    (campaign / "notes").mkdir()  # not a run: ignored
+    found = results.find_logs([str(campaign)])
+    assert [name for name, _ in found] == [str(campaign / f"run_{i:02d}") for i in range(3)]
+    assert [round(results.summarize_run(n, log).minutes, 3) for n, log in found] == [3, 4, 5]

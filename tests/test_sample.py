@@ -85,7 +85,8 @@ def test_bad_inputs_end_in_one_line(trained, tiny_models, prompts, tmp_path, cap
          f"error: the VAE in {vae} has scaling_factor 0.18215, shift_factor None; the model was trained with "
          "train.latent_scale 0.3611, latent_shift 0.1159: give FLUX.1-schnell's vae/"),
         (["--checkpoint", str(tmp_path), *model_args(tiny_models)],
-         f"error: --checkpoint {tmp_path}: no complete checkpoint there (no progress.pt)"),
+         f"error: --checkpoint {tmp_path}: no complete checkpoint there (a step_XXXXXXXX folder with progress.pt, "
+         "or the folder holding them)"),
         (["--checkpoint", str(trained / "checkpoints"), "--size", "40", *model_args(tiny_models)],
          "error: --size 40: must be a positive multiple of 16 (VAE 8x, then 2x2 patches)"),
     ]
