@@ -9,9 +9,8 @@ from pathlib import Path
 
 import braceexpand
 
+from dataprep.encoders import add_encoder_arguments
 from dataprep.format import DataprepError, Shape
-
-DTYPES = {"bfloat16", "float32"}
 
 
 def _shape(text: str) -> Shape:
@@ -37,23 +36,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "instead of stopping at the first one")
 
 
-def _encoder_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--t5", type=Path, required=True, help="local folder of the T5-v1.1-XXL encoder weights "
-                   "(FLUX.1-schnell: text_encoder_2/)")
-    p.add_argument("--t5-tokenizer", type=Path,
-                   help="its tokenizer folder (default: --t5; FLUX.1-schnell: tokenizer_2/)")
-    p.add_argument("--clip", type=Path, required=True, help="local folder of the CLIP-L text encoder (FLUX.1-schnell: "
-                   "text_encoder/)")
-    p.add_argument("--clip-tokenizer", type=Path,
-                   help="its tokenizer folder (default: --clip; FLUX.1-schnell: tokenizer/)")
-    p.add_argument("--device", default="auto", help="auto (GPU if visible), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="encoder compute dtype (default: bfloat16 on GPU, float32 on CPU); outputs are stored as bf16")
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dataprep", description="Prepare the flux1 energon dataset "
-                                "(DESIGN.md §4): convert or encode, empty-encodings, prepare, verify.")
+                                "(the format: dataprep/format.py): convert or encode, empty-encodings, prepare, "
+                                "verify; fixture writes a tiny one.")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("convert", help="MLCommons preprocessed HF datasets (Arrow) -> train/ and val/ shards",
@@ -69,14 +55,15 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("encode", help="raw image-caption pairs -> the same shards (VAE, T5, CLIP)",
                        description="Encode raw pairs with the reference's encoders from local weights. Train: "
                        "resize shorter side to 256 + centre crop; val: straight to 256x256, timestep = row mod 8.")
-    e.add_argument("--split", choices=("train", "val"), required=True)
+    e.add_argument("--split", choices=("train", "val"), required=True,
+                   help="which split to write: train (crop, no timestep) or val (squash, timestep = row mod 8)")
     e.add_argument("--wds", nargs="+", help="webdataset shards with jpg/png/webp + txt (paths, globs, {a..b})")
     e.add_argument("--images", type=Path, help="image folder (with --captions)")
     e.add_argument("--captions", type=Path, help="TSV with a header: file_name, caption (optional id/image_id)")
     e.add_argument("--out", type=Path, required=True, help="dataset root")
     e.add_argument("--vae", type=Path, required=True, help="local folder of the Flux VAE (FLUX.1-schnell: vae/)")
-    _encoder_args(e)
-    e.add_argument("--batch-size", type=int, default=32)
+    add_encoder_arguments(e)
+    e.add_argument("--batch-size", type=int, default=32, help="images and captions per encoder call (default 32)")
     e.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="image decoding threads")
     e.add_argument("--resize", choices=("crop", "squash"), help="default: crop for train, squash for val")
     _common(e)
@@ -84,44 +71,33 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("empty-encodings", help="t5_empty.npy / clip_empty.npy from the same encoders",
                        description="Encode the empty caption into <out>/empty_encodings/ (float16, as the reference).")
     m.add_argument("--out", type=Path, required=True, help="dataset root")
-    _encoder_args(m)
+    add_encoder_arguments(m)
 
-    r = sub.add_parser("prepare", help="energon metadata (.nv-meta, CrudeWebdataset), no prompts")
-    r.add_argument("root", type=Path)
-    r.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    r = sub.add_parser("prepare", help="energon metadata (.nv-meta, CrudeWebdataset), no prompts, and the "
+                       "dataset's sample shape and counts",
+                       description="Index the shards for energon and record what the dataset holds (sample shape "
+                       "L,H,W from each split's first sample, samples and shards per split) in "
+                       ".nv-meta/flux_dataset.yaml, which verify and the trainer check against.")
+    r.add_argument("root", type=Path, help="dataset root (holding train/ and val/)")
+    r.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="indexing processes")
 
     v = sub.add_parser("verify", help="open through energon and check every sample; non-zero exit on defects")
-    v.add_argument("root", type=Path)
-    v.add_argument("--shape", type=_shape, default=Shape(), help="expected L,H,W (default 256,32,32)")
-    v.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    v.add_argument("root", type=Path, help="dataset root (holding .nv-meta/, train/, val/, empty_encodings/)")
+    v.add_argument("--shape", type=_shape, help="assert that the samples are L,H,W, e.g. 256,32,32 (default: "
+                   "check them against the shape the dataset records)")
+    v.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="energon loader worker processes (0: read in this process)")
 
     f = sub.add_parser("fixture", help="a tiny dataset in the same format, for tests and debug runs")
-    f.add_argument("--out", type=Path, required=True)
+    f.add_argument("--out", type=Path, required=True, help="dataset root to write")
     f.add_argument("--train", type=int, default=16, help="train samples")
     f.add_argument("--val", type=int, default=16, help="val samples (copies of train arrays, own keys)")
     f.add_argument("--shape", type=_shape, default=Shape(16, 8, 8), help="L,H,W (default 16,8,8)")
-    f.add_argument("--samples-per-shard", type=int, default=8)
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--samples-per-shard", type=int, default=8, help="samples per tar shard (default 8)")
+    f.add_argument("--seed", type=int, default=0, help="seed of the random samples")
     f.add_argument("--arrow", action="store_true", help="write the MLCommons HF (Arrow) input form instead: "
                    "<out>/train and <out>/val for `convert`")
     return p
-
-
-def _encoder_settings(args) -> tuple:
-    import torch
-
-    from dataprep.encoders import pick_device
-
-    device = pick_device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    return device, dtype
-
-
-def _text_encoders(args):
-    from dataprep.encoders import TextEncoders
-
-    device, dtype = _encoder_settings(args)
-    return TextEncoders(args.t5, args.clip, args.t5_tokenizer, args.clip_tokenizer, device, dtype)
 
 
 def run(args) -> int:
@@ -131,22 +107,23 @@ def run(args) -> int:
         convert(args.out, args.train, args.val, args.samples_per_shard, args.shape, args.workers, args.skip_bad)
     elif args.command == "encode":
         from dataprep.encode import EncodeJob, FolderInput, WdsInput, encode
-        from dataprep.encoders import ImageEncoder
+        from dataprep.encoders import ImageEncoder, TextEncoders, device_and_dtype
 
         if bool(args.wds) == bool(args.images or args.captions):
             raise DataprepError("encode: give either --wds SHARDS or --images DIR --captions TSV")
         source = WdsInput(_tars(args.wds)) if args.wds else FolderInput(args.images, args.captions)
-        text = _text_encoders(args)
-        image = ImageEncoder(args.vae, *_encoder_settings(args))
+        text = TextEncoders.from_args(args)
+        image = ImageEncoder(args.vae, *device_and_dtype(args))
         resize = args.resize or ("crop" if args.split == "train" else "squash")
         settings = {"input": [str(p) for p in getattr(source, "tars", [])] or [str(args.images), str(args.captions)],
                     "models": [str(args.vae), str(args.t5), str(args.clip)]}
         encode(source, EncodeJob(args.out, args.split, args.samples_per_shard, args.batch_size, args.threads,
                                  args.skip_bad, resize), text, image, settings)
     elif args.command == "empty-encodings":
+        from dataprep.encoders import TextEncoders
         from dataprep.format import write_empty_encodings
 
-        t5, clip = _text_encoders(args)([""])
+        t5, clip = TextEncoders.from_args(args)([""])
         write_empty_encodings(args.out / "empty_encodings", t5, clip)
         print(f"== empty-encodings\n  wrote {args.out / 'empty_encodings'}: t5_empty.npy {list(t5.shape)}, "
               f"clip_empty.npy {list(clip.shape)} (float16)")

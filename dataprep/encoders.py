@@ -1,7 +1,9 @@
 """The frozen encoders of the reference, from local paths only: Flux VAE (diffusers AutoencoderKL) posterior
-mean/logvar, T5 last hidden state (padded/truncated to 256 tokens), CLIP pooled output (77 tokens)."""
+mean/logvar, T5 last hidden state (padded/truncated to 256 tokens), CLIP pooled output (77 tokens); and the
+command-line flags that name them (dataprep encode/empty-encodings, flux_train.sample)."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Optional
 
@@ -10,6 +12,26 @@ import torch
 from dataprep.format import DataprepError
 
 T5_TOKENS, CLIP_TOKENS = 256, 77
+
+
+def add_encoder_arguments(p: argparse.ArgumentParser) -> None:
+    """--t5/--clip and their tokenizers, --device, --dtype."""
+    p.add_argument("--t5", type=Path, required=True, help="local folder of the T5-v1.1-XXL encoder weights "
+                   "(FLUX.1-schnell: text_encoder_2/)")
+    p.add_argument("--t5-tokenizer", type=Path,
+                   help="its tokenizer folder (default: --t5; FLUX.1-schnell: tokenizer_2/)")
+    p.add_argument("--clip", type=Path, required=True, help="local folder of the CLIP-L text encoder (FLUX.1-schnell: "
+                   "text_encoder/)")
+    p.add_argument("--clip-tokenizer", type=Path,
+                   help="its tokenizer folder (default: --clip; FLUX.1-schnell: tokenizer/)")
+    p.add_argument("--device", default="auto", help="auto (GPU if visible), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="compute dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+
+
+def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    device = pick_device(args.device)
+    return device, getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
 
 
 def pick_device(choice: str) -> torch.device:
@@ -46,6 +68,10 @@ class TextEncoders:
         self.t5_tok = _load("t5-tokenizer", t5_tokenizer or t5, tokenizer)
         self.clip_tok = _load("clip-tokenizer", clip_tokenizer or clip, tokenizer)
         self.device = device
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TextEncoders":
+        return cls(args.t5, args.clip, args.t5_tokenizer, args.clip_tokenizer, *device_and_dtype(args))
 
     @torch.no_grad()
     def __call__(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,9 @@
 """`fixture`: a tiny dataset in the real format (any L, H, W), for tests and the debug run.
 
-Train samples are random (flux_train's synthetic set); val sample i copies the arrays of train sample
-i mod N under its own key (val keys continue after train), with timestep i mod 8, so a debug run can
-show that the trainer overfits. The same samples can instead be written as the MLCommons Hugging Face
-(Arrow) input of `convert`.
+Train samples are random (the values the trainer's synthetic source draws for one sample); val sample i
+copies the arrays of train sample i mod N under its own key (val keys continue after train), with timestep
+i mod 8, so a debug run can show that the trainer overfits. The same samples can instead be written as the
+MLCommons Hugging Face (Arrow) input of `convert`.
 """
 from __future__ import annotations
 
@@ -19,11 +19,9 @@ from typing import Iterable, Iterator
 import torch
 
 from dataprep.convert import COLUMNS
-from dataprep.format import CLIP_DIM, T5_DIM, Shape, encode_bf16, tar_sample, write_empty_encodings
+from dataprep.format import EVAL_TIMESTEP_BINS, PARTS, Shape, encode_bf16, tar_sample, write_empty_encodings
 from dataprep.prepare import prepare
 from dataprep.shards import SplitWriter, plan_shards
-from flux_train.data import PARTS, synthetic_samples
-from flux_train.flow import EVAL_TIMESTEP_BINS
 
 MARKER = "fixture.json"
 
@@ -44,12 +42,21 @@ class FixtureSpec:
                 f"-shard{self.samples_per_shard}")
 
 
+def random_sample(shape: Shape, seed: int) -> dict[str, torch.Tensor]:
+    """One sample of random bf16 parts: t5, clip, mean, then logvar around -4 from one generator, as the
+    trainer's synthetic source draws them."""
+    g = torch.Generator().manual_seed(seed)
+    return {part: (torch.randn(shape.of(part), generator=g) - (4.0 if part == "logvar" else 0.0)).to(torch.bfloat16)
+            for part in PARTS}
+
+
 def fixture_samples(spec: FixtureSpec, split: str) -> Iterator[dict]:
     """Per sample (made one at a time, so any size fits in memory): the source key, the four parts' npy
     bytes, the timestep (val only)."""
+    shape = Shape(spec.text_len, spec.height, spec.width)
+
     def parts(i: int) -> dict:
-        data = synthetic_samples(1, spec.text_len, spec.height, spec.width, T5_DIM, CLIP_DIM, spec.seed * 100_003 + i)
-        return {part: encode_bf16(data[part][0]) for part in PARTS}
+        return {part: encode_bf16(value) for part, value in random_sample(shape, spec.seed * 100_003 + i).items()}
 
     if split == "train":
         return ({"key": f"train-{i}", "parts": parts(i), "timestep": None} for i in range(spec.train))
@@ -58,8 +65,8 @@ def fixture_samples(spec: FixtureSpec, split: str) -> Iterator[dict]:
 
 
 def empty_encodings(spec: FixtureSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    empty = synthetic_samples(1, spec.text_len, 2, 2, T5_DIM, CLIP_DIM, spec.seed + 2)
-    return empty["t5"], empty["clip"]
+    empty = random_sample(Shape(spec.text_len, 2, 2), spec.seed + 2)
+    return empty["t5"][None], empty["clip"][None]
 
 
 def write_fixture(root: Path, spec: FixtureSpec) -> Path:

@@ -1,8 +1,13 @@
-"""The dataset format, write side and checks (DESIGN.md §4); flux_train.data reads it.
+"""The on-disk sample format, its one owner: flux_train reads it through this module and dataprep writes and
+checks it through it. It imports nothing from either package.
 
-A sample is KEY.json ({"key": source key, "timestep": k} - timestep for val only) and KEY.t5.bytes,
-KEY.clip.bytes, KEY.mean.bytes, KEY.logvar.bytes, each the np.save bytes of a bf16 array viewed as uint16.
-KEY is a zero-padded integer, unique across train and val (val continues after train), with no dot.
+A dataset root holds `train/` and `val/` (energon CrudeWebdataset shards with `index.txt`), `empty_encodings/`
+and `.nv-meta/` (energon's index, plus `flux_dataset.yaml`: the sample shape and counts, written by
+`python -m dataprep prepare`). A sample is KEY.json ({"key": source key, "timestep": k} - timestep for val
+only, k in 0..7) and KEY.t5.bytes [L, 4096], KEY.clip.bytes [768], KEY.mean.bytes and KEY.logvar.bytes
+[16, H, W], each the np.save bytes of a bf16 array viewed as uint16. KEY is a zero-padded integer, unique
+across train and val (val continues after train), with no dot. The empty encodings t5_empty.npy [1, L, 4096]
+and clip_empty.npy [1, 768] are float16 values, as the reference's save_empty_encodings.py writes them.
 """
 from __future__ import annotations
 
@@ -14,12 +19,19 @@ from typing import Optional
 
 import numpy as np
 import torch
+import yaml
 
-from flux_train.data import EMPTY_CLIP, EMPTY_T5, LATENT_CHANNELS, PARTS
-from flux_train.flow import EVAL_TIMESTEP_BINS
-
-T5_DIM, CLIP_DIM = 4096, 768
+PARTS = ("t5", "clip", "mean", "logvar")
+T5_DIM, CLIP_DIM, LATENT_CHANNELS = 4096, 768, 16
+EVAL_TIMESTEP_BINS = 8  # a val sample's timestep k is in 0..7; the eval noises it at t = k/8
+EMPTY_T5, EMPTY_CLIP = "t5_empty.npy", "clip_empty.npy"
+METADATA = Path(".nv-meta") / "flux_dataset.yaml"  # relative to the dataset root
 BF16_EXPONENT = 0x7F80  # all exponent bits set: Inf or NaN
+
+
+class FormatError(ValueError):
+    """The data on disk breaks the format; the message names the file and the fix (the trainer reports it as its
+    data error)."""
 
 
 class DataprepError(Exception):
@@ -36,7 +48,7 @@ class Shape:
     @classmethod
     def parse(cls, text: str) -> "Shape":
         try:
-            values = [int(v) for v in text.split(",")]
+            values = [int(v) for v in str(text).split(",")]
             shape = cls(*values)
         except (TypeError, ValueError):
             raise DataprepError(f"--shape {text!r}: expected L,H,W (e.g. 256,32,32)") from None
@@ -53,6 +65,9 @@ class Shape:
         return f"{self.text_len},{self.height},{self.width}"
 
 
+# ---------------------------------------------------------------------------------------------- samples
+
+
 def key_name(index: int) -> str:
     return f"{index:08d}"
 
@@ -64,12 +79,12 @@ def encode_bf16(tensor: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def write_empty_encodings(folder: Path, t5: torch.Tensor, clip: torch.Tensor) -> None:
-    """t5_empty.npy [1,L,4096] and clip_empty.npy [1,768] as float16 values, as the reference's
-    save_empty_encodings.py writes them (unlike the dataset's bf16 bits)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, tensor in ((EMPTY_T5, t5), (EMPTY_CLIP, clip)):
-        np.save(folder / name, tensor.detach().cpu().float().numpy().astype(np.float16))
+def decode_bf16(raw: bytes) -> torch.Tensor:
+    """np.save bytes of a bf16 array viewed as uint16 -> the bf16 tensor (bits unchanged)."""
+    array = np.load(io.BytesIO(raw), allow_pickle=False)
+    if array.dtype != np.uint16:
+        raise ValueError(f"dtype {array.dtype}, expected uint16 (bf16 bits)")
+    return torch.from_numpy(array).view(torch.bfloat16)
 
 
 def tar_sample(index: int, source_key: str, parts: dict[str, bytes], timestep: Optional[int]) -> dict:
@@ -82,8 +97,26 @@ def tar_sample(index: int, source_key: str, parts: dict[str, bytes], timestep: O
     return sample
 
 
-def check_part(part: str, raw, shape: Shape) -> Optional[str]:
-    """What is wrong with one part's bytes, or None."""
+def sample_meta(sample: dict) -> dict:
+    """The json part: bytes with energon's decoder off (ours and NVIDIA's), a dict with its default decoder."""
+    meta = sample.get("json")
+    if meta is None:
+        return {}
+    return json.loads(meta) if isinstance(meta, (bytes, str)) else dict(meta)
+
+
+def sample_where(sample: dict) -> str:
+    """`shard: sample KEY` of a crude sample (`__shard__`) or a cooked one (energon's `__sources__`)."""
+    sources = sample.get("__sources__") or ()
+    shard = sample.get("__shard__") or (getattr(sources[0], "shard_name", None) if sources else None)
+    return f"{shard or '?'}: sample {sample.get('__key__', '?')}"
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def check_part(part: str, raw, shape: Optional[Shape]) -> Optional[str]:
+    """What is wrong with one part's bytes, or None; shape None checks everything but the shape."""
     if not isinstance(raw, (bytes, bytearray)) or not raw:
         return f"{part}: missing or empty"
     try:
@@ -92,7 +125,7 @@ def check_part(part: str, raw, shape: Shape) -> Optional[str]:
         return f"{part}: not np.save bytes ({exc})"
     if array.dtype != np.uint16:
         return f"{part}: dtype {array.dtype}, expected uint16 (bf16 bits)"
-    if array.shape != shape.of(part):
+    if shape is not None and array.shape != shape.of(part):
         return f"{part}: shape {list(array.shape)}, expected {list(shape.of(part))}"
     if ((array & BF16_EXPONENT) == BF16_EXPONENT).any():
         return f"{part}: contains NaN or Inf"
@@ -109,10 +142,75 @@ def check_timestep(value, val: bool) -> Optional[str]:
     return None
 
 
-def check_sample(source_key, parts: dict, timestep, val: bool, shape: Shape) -> list[str]:
+def check_sample(source_key, parts: dict, timestep, val: bool, shape: Optional[Shape]) -> list[str]:
     """Every problem of one input sample (empty list = good)."""
     good_key = isinstance(source_key, str) and source_key
     problems = [] if good_key else [f"key: {source_key!r}, expected a non-empty string"]
     problems += [p for p in (check_part(part, parts.get(part), shape) for part in PARTS) if p]
     problem = check_timestep(timestep, val)
     return problems + ([problem] if problem else [])
+
+
+def shape_of(parts: dict[str, bytes]) -> Shape:
+    """L,H,W of a sample from its t5 and mean bytes."""
+    (text_len, _), (_, height, width) = (np.load(io.BytesIO(parts[p]), allow_pickle=False).shape
+                                         for p in ("t5", "mean"))
+    return Shape(text_len, height, width)
+
+
+# ---------------------------------------------------------------------------------------------- the dataset
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a dataset says about itself (METADATA): the sample shape and the samples and shards per split."""
+    shape: Shape
+    splits: dict  # split -> {"samples": n, "shards": n}
+
+
+def write_info(root: Path, info: DatasetInfo) -> Path:
+    path = Path(root) / METADATA
+    described = {"shape": str(info.shape), "parts": {part: list(info.shape.of(part)) for part in PARTS},
+                 "splits": info.splits}
+    path.write_text("# written by `python -m dataprep prepare`; `verify` and the trainer check the data against it\n"
+                    + yaml.safe_dump(described, sort_keys=False, default_flow_style=None))
+    return path
+
+
+def read_info(root: Path) -> Optional[DatasetInfo]:
+    """The dataset's METADATA, or None if it has none (a dataset prepared by energon's own tool)."""
+    path = Path(root) / METADATA
+    if not path.is_file():
+        return None
+    try:
+        raw = yaml.safe_load(path.read_text())
+        return DatasetInfo(Shape.parse(raw["shape"]), {s: dict(c) for s, c in raw["splits"].items()})
+    except (yaml.YAMLError, DataprepError, KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise FormatError(f"{path}: unreadable ({type(exc).__name__}: {exc}); rewrite it with "
+                        f"`python -m dataprep prepare {root}`") from None
+
+
+def write_empty_encodings(folder: Path, t5: torch.Tensor, clip: torch.Tensor) -> None:
+    """t5_empty.npy [1,L,4096] and clip_empty.npy [1,768] as float16 values (unlike the dataset's bf16 bits)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, tensor in ((EMPTY_T5, t5), (EMPTY_CLIP, clip)):
+        np.save(folder / name, tensor.detach().cpu().float().numpy().astype(np.float16))
+
+
+def load_empty_encodings(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """t5_empty.npy [1,L,4096] and clip_empty.npy [1,768] -> bf16. They hold float16 values (not bf16 bits like
+    the dataset), so they are converted by value: never .view() them."""
+    out = []
+    for name, ndim in ((EMPTY_T5, 3), (EMPTY_CLIP, 2)):
+        file = folder / name
+        if not file.is_file():
+            raise FormatError(f"{file}: missing; write it with `python -m dataprep empty-encodings` or point "
+                            f"data.empty_encodings at the folder holding {EMPTY_T5} and {EMPTY_CLIP}")
+        array = np.load(file, allow_pickle=False)
+        if array.dtype not in (np.float16, np.float32):
+            raise FormatError(f"{file}: dtype {array.dtype}, expected float16 values (as save_empty_encodings.py "
+                            f"writes them)")
+        if array.ndim != ndim or array.shape[0] != 1:
+            raise FormatError(f"{file}: shape {list(array.shape)}, expected {ndim} dims with a leading 1")
+        out.append(torch.from_numpy(array).to(torch.bfloat16))
+    return out[0], out[1]

@@ -1,17 +1,20 @@
 """`verify`: open the dataset through energon and check everything a training run relies on.
 
-Checks: `.nv-meta/dataset.yaml` is CrudeWebdataset and split.yaml has train and val; every tar reads to
-its end (no truncation); index.txt matches the shards; every sample has all parts with the expected
-dtype (uint16 = bf16 bits), shape and no NaN/Inf, and val samples a timestep 0..7; keys are unique; the
-empty encodings exist with matching shapes. Prints counts per split and per timestep; any defect makes
-the command exit non-zero with the defect named.
+Checks: `.nv-meta/dataset.yaml` is CrudeWebdataset and split.yaml has train and val; the dataset describes
+itself (format.METADATA, written by `prepare`) and `--shape`, if given, agrees with it; every tar reads to
+its end (no truncation); index.txt matches the shards; every sample has all parts with the dtype uint16 (bf16
+bits), the dataset's shape and no NaN/Inf, and val samples a timestep 0..7; keys are unique; the counts are
+the recorded ones; the empty encodings exist with matching shapes. Prints counts per split and per timestep;
+any defect makes the command exit non-zero with the defect named.
 """
 from __future__ import annotations
 
 import tarfile
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import yaml
@@ -20,16 +23,19 @@ from megatron.energon import (Cooker, CrudeSample, DefaultTaskEncoder, WorkerCon
 from megatron.energon.errors import reraise_exception
 
 from dataprep import progress
-from dataprep.format import Shape, T5_DIM, CLIP_DIM, check_sample
+from dataprep.format import (CLIP_DIM, EMPTY_CLIP, EMPTY_T5, METADATA, PARTS, T5_DIM, DatasetInfo, FormatError, Shape,
+                             check_sample, read_info, sample_meta, sample_where)
 from dataprep.prepare import DATASET_YAML, SPLITS
 from dataprep.shards import INDEX
-from flux_train.data import EMPTY_CLIP, EMPTY_T5, PARTS, sample_meta, sample_where
+
+# energon's loader always asks for page-locked memory; on a host without a GPU torch warns that there is none
+warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found")
 
 
 @dataclass
 class SampleChecker:
     """Cooker that checks a crude sample in the loader's workers and returns only a small report."""
-    shape: Shape
+    shape: Optional[Shape]  # None: the shape is unknown and not checked
     val: bool
     __stateless__ = True  # what energon's @stateless sets: a pure function of the sample
 
@@ -82,6 +88,21 @@ def check_metadata(root: Path, report: Report) -> list[str]:
     return [s for s in SPLITS if parts.get(s)]
 
 
+def dataset_info(root: Path, asserted: Optional[Shape], report: Report) -> Optional[DatasetInfo]:
+    """What the dataset says it is; `--shape` (asserted) must agree with it."""
+    try:
+        info = read_info(root)
+    except FormatError as exc:
+        report.defect(str(exc))
+        return None
+    if info is None:
+        report.defect(f"{root / METADATA}: missing, so the sample shape is unknown; run `python -m dataprep prepare "
+                      f"{root}` (it records the shape and counts)")
+    elif asserted is not None and asserted != info.shape:
+        report.defect(f"{root / METADATA}: the dataset's samples are L,H,W {info.shape}, --shape expects {asserted}")
+    return info
+
+
 def check_tars(root: Path, split: str, report: Report) -> None:
     """Each tar reads to its end; index.txt names exactly the shards."""
     folder = root / split
@@ -105,7 +126,9 @@ def check_tars(root: Path, split: str, report: Report) -> None:
             report.defect(f"{tar}: truncated or corrupt tar ({exc})")
 
 
-def check_samples(root: Path, split: str, shape: Shape, workers: int, report: Report) -> None:
+def check_samples(root: Path, split: str, shape: Optional[Shape], recorded: Optional[int], workers: int,
+                  report: Report) -> None:
+    """Every sample of the split against `shape`; `recorded` is the sample count the metadata gives."""
     worker_config = WorkerConfig(rank=0, world_size=1, num_workers=workers, global_error_handler=reraise_exception)
     dataset = get_val_dataset(root, split_part=split, worker_config=worker_config, batch_size=None,
                               task_encoder=CheckEncoder(SampleChecker(shape, split == "val")))
@@ -124,29 +147,41 @@ def check_samples(root: Path, split: str, shape: Shape, workers: int, report: Re
                       f"{type(exc).__name__}: {exc}")
     if len(keys) != len(dataset):
         report.defect(f"{root / split}: energon's index has {len(dataset)} samples, {len(keys)} were read")
+    if recorded is not None and recorded != len(keys):
+        report.defect(f"{root / METADATA}: records {recorded} {split} samples, {len(keys)} were read; rerun "
+                      f"`python -m dataprep prepare {root}`")
     report.counts[split] = len(keys)
     report.timesteps[split] = timesteps
 
 
-def check_empty(root: Path, shape: Shape, report: Report) -> None:
-    for name, expected in ((EMPTY_T5, (1, shape.text_len, T5_DIM)), (EMPTY_CLIP, (1, CLIP_DIM))):
+def check_empty(root: Path, shape: Optional[Shape], report: Report) -> None:
+    """The empty encodings: float16 [1, L, 4096] (any L when the shape is unknown) and [1, 768]."""
+    for name, expected in ((EMPTY_T5, [1, shape.text_len if shape else "L", T5_DIM]), (EMPTY_CLIP, [1, CLIP_DIM])):
         file = root / "empty_encodings" / name
         if not file.is_file():
             report.defect(f"{file}: missing; write it with `python -m dataprep empty-encodings`")
             continue
         array = np.load(file, allow_pickle=False)
-        if array.dtype != np.float16 or array.shape != expected:
+        fits = array.ndim == len(expected) and all(e in ("L", n) for n, e in zip(array.shape, expected))
+        if array.dtype != np.float16 or not fits:
             report.defect(f"{file}: {array.dtype} {list(array.shape)}, expected float16 {list(expected)}")
 
 
-def verify(root: Path, shape: Shape, workers: int) -> Report:
+def verify(root: Path, asserted: Optional[Shape], workers: int) -> Report:
+    """Check the dataset at root; `asserted` (--shape) is the shape the caller expects, if any."""
     root = Path(root)
     report = Report()
-    for split in check_metadata(root, report):
+    splits = check_metadata(root, report)
+    info = dataset_info(root, asserted, report)
+    shape = info.shape if info else asserted
+    for split in splits:
         check_tars(root, split, report)
-        check_samples(root, split, shape, workers, report)
+        check_samples(root, split, shape, info.splits.get(split, {}).get("samples") if info else None, workers,
+                      report)
     check_empty(root, shape, report)
-    rows = [(split, f"{n} samples") for split, n in report.counts.items()]
+    rows = [("sample shape", f"L,H,W {shape} ({'recorded in the dataset' if info else 'from --shape'})" if shape
+             else "unknown (not checked)")]
+    rows += [(split, f"{n} samples") for split, n in report.counts.items()]
     if report.timesteps.get("val"):
         rows.append(("val per timestep", ", ".join(f"{k}: {n}" for k, n in sorted(report.timesteps["val"].items(),
                                                                                   key=lambda kv: str(kv[0])))))

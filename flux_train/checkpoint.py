@@ -125,11 +125,17 @@ def load(path: Path, training) -> tuple[dict, dict]:
     return progress, loader
 
 
-def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
-    """Offline export of a DCP checkpoint's weights as a diffusers folder, in one process (no GPU, no process
-    group). fsdp runs save fp32 weights, ddp runs their bf16 copy (the fp32 master is sharded by
-    flat position, not by tensor)."""
-    from flux_train.diffusers_adapter import save_diffusers
+def find_checkpoint(path: Path) -> Path | None:
+    """`path` if it is a complete checkpoint, else the latest complete one in it; None if there is none."""
+    if (path / "progress.pt").is_file():
+        return path
+    found = list_checkpoints(path)
+    return found[-1] if found else None
+
+
+def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A DCP checkpoint's model weights (our layout), read in one process (no GPU, no process group). fsdp runs
+    save fp32 weights, ddp runs their bf16 copy (the fp32 master is sharded by flat position, not by tensor)."""
     from flux_train.model import build_model
 
     model = build_model(cfg.model, rmsnorm_impl="torch")
@@ -143,7 +149,14 @@ def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
                               f"{tuple(have.size) if have else 'missing'} there, {tuple(tensor.shape)} here); pass "
                               "the config the run trained with")
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    save_diffusers(state["model"], cfg.model, out)
+    return state["model"]
+
+
+def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
+    """Offline export of a DCP checkpoint's weights as a diffusers folder."""
+    from flux_train.diffusers_adapter import save_diffusers
+
+    save_diffusers(read_weights(cfg, checkpoint), cfg.model, out)
 
 
 @reports_user_errors
@@ -160,13 +173,10 @@ def main(argv=None) -> int:
                     help="override one config value; repeatable")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    path = Path(args.checkpoint)
-    if not (path / "progress.pt").is_file():
-        found = list_checkpoints(path)
-        if not found:
-            raise ConfigError(f"--checkpoint {path}: no complete checkpoint there (a step_XXXXXXXX folder with "
-                              "progress.pt, or the folder holding them)")
-        path = found[-1]
+    path = find_checkpoint(Path(args.checkpoint))
+    if path is None:
+        raise ConfigError(f"--checkpoint {args.checkpoint}: no complete checkpoint there (a step_XXXXXXXX folder "
+                          "with progress.pt, or the folder holding them)")
     export_checkpoint(cfg, path, Path(args.out))
     print(f"exported {path} -> {args.out} (load with FluxTransformer2DModel.from_pretrained)")
     return 0

@@ -104,6 +104,12 @@ class EvalConfig:
     target: float = TARGET_VAL_LOSS
     batch_size: int = 16
     enabled: bool = True
+    # a file of prompts (one a line): after each eval's MLLOG events rank 0 writes <out_dir>/samples/step_N.png, one
+    # 256x256 image per prompt (flux_train/sample.py; the last eval's after run_stop). Off by default: the grids of
+    # the other evals take time between run_start and run_stop. Needs sample_weights: a local FLUX.1-schnell folder
+    # (vae/, text_encoder/, tokenizer/, text_encoder_2/, tokenizer_2/)
+    sample_prompts: Optional[str] = None
+    sample_weights: Optional[str] = None
 
 
 @dataclass
@@ -170,6 +176,8 @@ class LoggingConfig:
     progress_bar: bool = True
     tensorboard: bool = False
     mllog_file: str = "mllog.log"
+    # MLLOG lines also on stdout (the system configs set it: the MLPerf recipes print them in the job log)
+    mllog_stdout: bool = False
     submission_org: str = "flux-train"
     submission_platform: str = "unknown"
     submission_division: Literal["closed", "open"] = "closed"
@@ -428,6 +436,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     need(cfg.eval.every_samples > 0, f"eval.every_samples: must be > 0, got {cfg.eval.every_samples}")
     need(cfg.eval.every_steps >= 0, f"eval.every_steps: must be >= 0, got {cfg.eval.every_steps}")
     need(cfg.eval.batch_size > 0, f"eval.batch_size: must be > 0, got {cfg.eval.batch_size}")
+    need(not cfg.eval.sample_prompts or cfg.eval.sample_weights,
+         "eval.sample_prompts needs eval.sample_weights: a local FLUX.1-schnell folder with vae/ and the text encoders")
     need(cfg.logging.log_every > 0, f"logging.log_every: must be > 0, got {cfg.logging.log_every}")
     need(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
     need(cfg.slurm.nodes >= 1, f"slurm.nodes: must be >= 1, got {cfg.slurm.nodes}")

@@ -1,32 +1,24 @@
-"""Data for the trainer: the batch contract, the on-disk format, the synthetic source (flux_train/energon_data.py
-reads the real dataset through energon).
+"""Data for the trainer: the batch contract and the synthetic source (flux_train/energon_data.py reads the real
+dataset through energon; dataprep/format.py owns the on-disk format).
 
-Batch contract (DESIGN.md §4), per micro-batch: t5 [B,L,4096] bf16, clip [B,768] bf16, mean/logvar
-[B,16,H,W] bf16; val batches add timestep [B] int64 and valid [B] bool (False marks padding, so every
-rank runs the same number of forwards and each val sample counts exactly once).
+Batch contract, per micro-batch: t5 [B,L,4096] bf16, clip [B,768] bf16, mean/logvar [B,16,H,W] bf16; val
+batches add timestep [B] int64 and valid [B] bool (False marks padding, so every rank runs the same number of
+forwards and each val sample counts exactly once).
 
 A source gives: `train` (an iterator of this rank's micro-batches in order, with state_dict /
 load_state_dict), `val()` (a fresh pass over this rank's val batches) and the empty encodings.
-
-On disk (energon CrudeWebdataset, DESIGN.md §4) a sample is KEY.json ({"key": ..., "timestep": k} for val)
-and KEY.{t5,clip,mean,logvar}.bytes, each the np.save bytes of a bf16 array viewed as uint16.
 """
 from __future__ import annotations
 
-import io
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
+from dataprep.format import LATENT_CHANNELS
 from flux_train.config import Config
 from flux_train.errors import UserError
-
-LATENT_CHANNELS = 16
 
 
 @dataclass
@@ -142,56 +134,10 @@ def build_synthetic(cfg: Config, rank: int, world: int) -> DataSource:
                       empty["clip"], d.synthetic_val_samples)
 
 
-# ---------------------------------------------------------------------------------------------
-# the on-disk format (read side); the energon cooker and loaders are in flux_train/energon_data.py
-
-PARTS = ("t5", "clip", "mean", "logvar")
-EMPTY_T5, EMPTY_CLIP = "t5_empty.npy", "clip_empty.npy"
-
-
 class DataError(UserError, ValueError):
     """A defect in the data on disk; the message names the shard and sample (or file)."""
 
     label = "data error"
-
-
-def decode_bf16(raw: bytes) -> torch.Tensor:
-    """np.save bytes of a bf16 array viewed as uint16 -> the bf16 tensor (bits unchanged)."""
-    array = np.load(io.BytesIO(raw), allow_pickle=False)
-    if array.dtype != np.uint16:
-        raise ValueError(f"dtype {array.dtype}, expected uint16 (bf16 bits)")
-    return torch.from_numpy(array).view(torch.bfloat16)
-
-
-def sample_meta(sample: dict) -> dict:
-    """The json part: bytes with energon's decoder off (ours and NVIDIA's), a dict with its default decoder."""
-    meta = sample.get("json")
-    if meta is None:
-        return {}
-    return json.loads(meta) if isinstance(meta, (bytes, str)) else dict(meta)
-
-
-def sample_where(sample: dict) -> str:
-    return f"{sample.get('__shard__', '?')}: sample {sample.get('__key__', '?')}"
-
-
-def load_empty_encodings(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """t5_empty.npy [1,L,4096] and clip_empty.npy [1,768] -> bf16. The reference writes them as float16
-    values (not bf16 bits like the dataset), so they are converted by value: never .view() them."""
-    out = []
-    for name, ndim in ((EMPTY_T5, 3), (EMPTY_CLIP, 2)):
-        file = folder / name
-        if not file.is_file():
-            raise DataError(f"{file}: missing; write it with `python -m dataprep empty-encodings` or point "
-                            f"data.empty_encodings at the folder holding {EMPTY_T5} and {EMPTY_CLIP}")
-        array = np.load(file, allow_pickle=False)
-        if array.dtype not in (np.float16, np.float32):
-            raise DataError(f"{file}: dtype {array.dtype}, expected float16 values (as save_empty_encodings.py "
-                            f"writes them)")
-        if array.ndim != ndim or array.shape[0] != 1:
-            raise DataError(f"{file}: shape {list(array.shape)}, expected {ndim} dims with a leading 1")
-        out.append(torch.from_numpy(array).to(torch.bfloat16))
-    return out[0], out[1]
 
 
 def build_data(cfg: Config, rank: int, world: int) -> DataSource:

@@ -1,12 +1,12 @@
 """The energon side of the data: the cooker (crude sample -> batch contract), this rank's resumable train
 stream, and the val pass that covers the val split exactly once across ranks (flux_train.data has the
-batch contract and the on-disk format)."""
+batch contract, dataprep.format the on-disk format)."""
 from __future__ import annotations
 
 import math
 import pickle
+import warnings
 from pathlib import Path
-from functools import partial
 from typing import Callable, Iterator
 
 import torch
@@ -15,9 +15,13 @@ from megatron.energon import (Cooker, CrudeSample, DefaultTaskEncoder, WorkerCon
 from megatron.energon.errors import reraise_exception
 from megatron.energon.flavors.webdataset.sharder import Sharder
 
-from flux_train.config import Config, ConfigError, DataConfig, ModelConfig
-from flux_train.data import (PARTS, DataError, DataSource, TrainStream, decode_bf16, load_empty_encodings,
+from dataprep.format import (METADATA, PARTS, DatasetInfo, FormatError, decode_bf16, load_empty_encodings, read_info,
                              sample_meta, sample_where)
+from flux_train.config import Config, ConfigError, DataConfig, ModelConfig
+from flux_train.data import DataError, DataSource, TrainStream
+
+# energon's loaders always ask for page-locked memory; on a host without a GPU torch warns that there is none
+warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found")
 
 
 @stateless
@@ -168,16 +172,40 @@ class EnergonVal:
             pending, batches = [], batches + 1
 
 
-def _check_dims(val_sample: dict, empty_t5: torch.Tensor, empty_clip: torch.Tensor, m: ModelConfig,
-                empty_dir: Path) -> None:
-    t5, clip = val_sample["t5"], val_sample["clip"]
-    if t5.shape[-1] != m.joint_attention_dim or clip.shape[-1] != m.pooled_projection_dim:
-        raise DataError(f"{sample_where(val_sample)}: t5 {list(t5.shape)} / clip {list(clip.shape)} do not fit "
-                        f"model.joint_attention_dim {m.joint_attention_dim} / pooled_projection_dim "
-                        f"{m.pooled_projection_dim}")
-    if tuple(empty_t5.shape[1:]) != tuple(t5.shape) or tuple(empty_clip.shape[1:]) != tuple(clip.shape):
-        raise DataError(f"{empty_dir}: empty encodings {list(empty_t5.shape)} / {list(empty_clip.shape)} do not "
-                        f"match the data's t5 {list(t5.shape)} / clip {list(clip.shape)}")
+class DimsCheck:
+    """The data's dims against the model and the empty encodings, each mismatch named in one line: from the dataset's
+    own description (format.METADATA) before anything is built, and on the first val sample, which must be what
+    the description says (a dataset without one, as NVIDIA's tools prepare it, is checked on that sample alone)."""
+
+    def __init__(self, path: Path, info: DatasetInfo | None, empty_t5: torch.Tensor, empty_clip: torch.Tensor,
+                 m: ModelConfig, empty_dir: Path):
+        self.path, self.info, self.m, self.empty_dir = path, info, m, empty_dir
+        self.empty = {"t5": list(empty_t5.shape[1:]), "clip": list(empty_clip.shape[1:])}
+        if info is not None:
+            self.check({part: list(info.shape.of(part)) for part in PARTS}, f"{path / METADATA}: the dataset's samples")
+
+    def check(self, dims: dict[str, list[int]], what: str) -> None:
+        m = self.m
+        for part, key in (("t5", "joint_attention_dim"), ("clip", "pooled_projection_dim")):
+            if dims[part][-1] != getattr(m, key):
+                raise DataError(f"{what} have {part} {dims[part]}, the model takes {part} of width model.{key} "
+                                f"{getattr(m, key)}; use a model config with flux-schnell's input dims")
+        channels, height, width = dims["mean"]
+        if 4 * channels != m.in_channels or height % 2 or width % 2:
+            raise DataError(f"{what} have latents {dims['mean']}, the model takes {m.in_channels // 4} channels "
+                            f"(model.in_channels {m.in_channels}) of even height and width (2x2 patches)")
+        for part in ("t5", "clip"):
+            if self.empty[part] != dims[part]:
+                raise DataError(f"{what} have {part} {dims[part]}, the empty encodings in {self.empty_dir} "
+                                f"{self.empty[part]}; point data.empty_encodings at the ones made for this data")
+
+    def __call__(self, sample: dict) -> None:
+        dims = {part: list(sample[part].shape) for part in PARTS}
+        if self.info is not None and any(dims[p] != list(self.info.shape.of(p)) for p in PARTS):
+            raise DataError(f"{sample_where(sample)}: t5 {dims['t5']}, mean {dims['mean']}, but "
+                            f"{self.path / METADATA} says L,H,W {self.info.shape}; check the dataset with "
+                            f"`python -m dataprep verify {self.path}`")
+        self.check(dims, f"{sample_where(sample)}: the samples")
 
 
 def _fixture(cfg: Config, rank: int) -> Path:
@@ -204,10 +232,13 @@ def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
         raise DataError(f"{path}: not a prepared energon dataset (no .nv-meta/dataset.yaml); run "
                         f"`python -m dataprep prepare {path}`")
     empty_dir = Path(d.empty_encodings) if d.empty_encodings else path / "empty_encodings"
-    empty_t5, empty_clip = load_empty_encodings(empty_dir)
-    val = EnergonVal(path, rank, world, cfg.eval.batch_size, d.num_workers,
-                     check_sample=partial(_check_dims, empty_t5=empty_t5, empty_clip=empty_clip, m=cfg.model,
-                                          empty_dir=empty_dir))
+    try:
+        empty_t5, empty_clip = load_empty_encodings(empty_dir)
+        info = read_info(path)
+    except FormatError as exc:
+        raise DataError(str(exc)) from None
+    dims = DimsCheck(path, info, empty_t5, empty_clip, cfg.model, empty_dir)
+    val = EnergonVal(path, rank, world, cfg.eval.batch_size, d.num_workers, check_sample=dims)
     train = EnergonTrainStream(path, rank, world, cfg.train.micro_batch_size, d, cfg.train.seed)
     return DataSource(train, val, empty_t5, empty_clip, val.size)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-EVAL_TIMESTEP_BINS = 8
+from dataprep.format import EVAL_TIMESTEP_BINS
 
 # streams of random numbers, each seeded per (seed, step, global micro-batch) so that every data-parallel
 # rank draws its own numbers, a resumed run draws the same ones, and the draws do not depend on how the

@@ -1,10 +1,12 @@
 """MLLOG events through mlperf-logging, from rank 0 only (docs/benchmark.md, "MLPerf log")."""
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 
-from mlperf_logging import mllog
 from mlperf_logging.mllog import constants as C
+from mlperf_logging.mllog.mllog import MLLogger as _MLPerfLogger
 
 from flux_train.config import EVAL_SAMPLES, TRAIN_SAMPLES, Config, accumulation_steps
 
@@ -12,18 +14,26 @@ EVALUATION_FREQUENCY = "evaluation_frequency"  # no constant in mlperf_logging; 
 
 
 class MLLogger:
-    """Thin wrapper: no-ops on ranks other than 0, one file per run plus stdout."""
+    """Thin wrapper: no-ops on ranks other than 0; the run's file, and stdout too when asked (as the MLPerf
+    recipes print it in their Slurm logs)."""
 
-    def __init__(self, path: Path | None, enabled: bool, append: bool = False):
+    def __init__(self, path: Path, enabled: bool, append: bool = False, stdout: bool = False):
         """`append` keeps an earlier log (a resumed run); a fresh run starts a fresh file."""
         self.enabled = enabled
         if enabled:
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if not append:
-                    path.unlink(missing_ok=True)
-                mllog.config(filename=str(path), default_stack_offset=2)
-            self._log = mllog.get_mllogger()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not append:
+                path.unlink(missing_ok=True)
+            logger = logging.getLogger("flux_train.mllog")  # ours, not mlperf-logging's (which prints to stdout)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+            for old in list(logger.handlers):  # an earlier run in this process
+                logger.removeHandler(old)
+                old.close()
+            logger.addHandler(logging.FileHandler(path))
+            if stdout:
+                logger.addHandler(logging.StreamHandler(sys.stdout))
+            self._log = _MLPerfLogger(logger, default_stack_offset=2)
 
     def event(self, key: str, value=None, **metadata) -> None:
         if self.enabled:

@@ -20,16 +20,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure
+from mlperf_logging.benchmark_meta import get_result_file_counts
+from mlperf_logging.compliance_checker import mlp_compliance
+from mlperf_logging.rcp_checker import rcp_checker
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
-from mlperf_logging.benchmark_meta import get_result_file_counts  # noqa: E402
-from mlperf_logging.compliance_checker import mlp_compliance  # noqa: E402
-from mlperf_logging.rcp_checker import rcp_checker  # noqa: E402
-
-from flux_train.config import TARGET_VAL_LOSS  # noqa: E402
-from flux_train.errors import UserError, reports_user_errors  # noqa: E402
+from flux_train.config import TARGET_VAL_LOSS
+from flux_train.errors import UserError, reports_user_errors
+from flux_train.report import draw_val_loss
 
 USAGE, RULESET = "training", "6.0.0"
 RUNS_PER_SCORE = get_result_file_counts(USAGE)["flux1"]  # 10
@@ -281,18 +279,12 @@ def _rcp_batch_sizes() -> list[int]:
 
 
 def plot_val_loss(runs: list[Run], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for run in runs:
-        points = [(s, v) for s, v in run.evals if s is not None]
-        if points:
-            ax.plot(*zip(*points), marker="o", markersize=3, label=run.name)
-    ax.axhline(TARGET_VAL_LOSS, color="black", linestyle="--", label=f"target {TARGET_VAL_LOSS}")
-    ax.set(xlabel="training samples", ylabel="validation loss", title=f"flux1 validation loss, {len(runs)} run(s)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    ax = fig.subplots()
+    draw_val_loss(ax, {run.name: [(s, v) for s, v in run.evals if s is not None] for run in runs}, TARGET_VAL_LOSS)
+    ax.set_title(f"flux1 validation loss, {len(runs)} run(s)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    fig.savefig(path, dpi=120)
 
 
 # ---------------------------------------------------------------------------------------------- output

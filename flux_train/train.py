@@ -32,6 +32,8 @@ from flux_train.model import build_model, check_weights, count_params, flops_per
 from flux_train.optim import lr_at
 from flux_train.parallel import all_reduce_sum, build_training, checkpoint_blocks, init_distributed, shutdown
 from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
+from flux_train.report import write_report
+from flux_train.sample import Sampler, gathered_weights
 
 # blocks return slices of their joint sequence; we never modify them in place, which this FSDP2 warning is about
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -103,7 +105,7 @@ class Trainer:
                                                     cfg.checkpoint.async_save, cfg.checkpoint.every_steps)
         # a resumed run continues the same MLLOG file and does not start a second run in it
         self.mllog = MLLogger(self.out_dir / cfg.logging.mllog_file, enabled=self.dist.is_main,
-                              append=self.resume_from is not None)
+                              append=self.resume_from is not None, stdout=cfg.logging.mllog_stdout)
         if self.resume_from is None:
             self.mllog.run_parameters(cfg, self.dist.world_size)
             self.mllog.start(C.INIT_START)
@@ -135,6 +137,9 @@ class Trainer:
         self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
         self.empty_t5 = self.data.empty_t5.to(self.device)
         self.empty_clip = self.data.empty_clip.to(self.device)
+        self.sampler = None  # eval.sample_prompts: rank 0 draws a grid of samples after each eval (_after_eval)
+        if cfg.eval.sample_prompts and self.dist.is_main:
+            self.sampler = Sampler.for_run(cfg, self.device, self.dtype)
         self.step = 0
         self.eval_count = 0
         self.stop_requested = False
@@ -284,6 +289,21 @@ class Trainer:
         self.mllog.eval_result(val_loss, samples)
         return val_loss
 
+    def _after_eval(self) -> None:
+        """After the eval's MLLOG events: the run report and, with eval.sample_prompts, a grid of samples."""
+        self._report()
+        if self.cfg.eval.sample_prompts:
+            weights = gathered_weights(self.model)  # collective: the full weights on rank 0
+            if self.sampler is not None:
+                path = self.out_dir / "samples" / f"step_{self.step:08d}.png"
+                path.parent.mkdir(exist_ok=True)
+                self.sampler.grid(weights).save(path)
+                self._say(f"samples of step {self.step}: {path}")
+
+    def _report(self) -> None:
+        if self.dist.is_main:
+            write_report(self.out_dir, self.cfg.train.global_batch_size, self.cfg.eval.target)
+
     def _install_stop_signal(self) -> None:
         # Slurm's warning signal (submitit uses USR2) asks for a checkpoint at the next agreed step boundary
         def handler(signum, frame):
@@ -318,6 +338,10 @@ class Trainer:
         samples = self.step * t.global_batch_size
         if status != Status.PREEMPTED:  # a preempted run continues in the same log after the requeue
             self.mllog.run_stop(C.SUCCESS if status == Status.SUCCESS else C.ABORTED, samples)
+        if status == Status.SUCCESS:  # the successful eval's report and samples, after run_stop
+            self._after_eval()
+        else:
+            self._report()
         self._say(f"finished at step {self.step}, status {status.value}")
         return status
 
@@ -355,6 +379,7 @@ class Trainer:
                 metrics.emit({"step": self.step, "samples": samples, "val_loss": val_loss})
                 if val_loss <= cfg.eval.target:
                     return Status.SUCCESS
+                self._after_eval()
                 self.mllog.block_start(samples)
                 metrics.reset_window()
             if checkpoint_due:
@@ -378,6 +403,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/debug.yaml", help="YAML config (default: configs/debug.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value; repeatable")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (defaults: merged, --set applied) as YAML and exit")
     return p.parse_args(argv)
 
 
@@ -387,6 +414,9 @@ def main(argv=None) -> int:
     cfg = trainer = None
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None), end="")
+            return 0
         trainer = Trainer(cfg)
         status = trainer.run()
     except RuntimeError as exc:  # a collective failed or timed out (gloo says "Timed out"): say who did not arrive

@@ -21,3 +21,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 from slurm_cluster import slurm_cluster  # noqa: E402,F401  the real two-node Slurm for tests/test_slurm_*.py
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Tiny random VAE/T5/CLIP folders (tests/tiny_models.py)."""
+    from tiny_models import write_tiny_models
+
+    return write_tiny_models(tmp_path_factory.mktemp("models"))

@@ -2,6 +2,7 @@
 order and exact resume, the val pass's exact coverage on any number of ranks, the empty encodings."""
 import io
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,10 +13,11 @@ import pytest
 import torch
 
 from dataprep.fixture import FixtureSpec, fixture_samples, write_fixture
-from dataprep.format import encode_bf16
-from flux_train.config import DataConfig
-from flux_train.data import DataError, decode_bf16, load_empty_encodings
-from flux_train.energon_data import EnergonTrainStream, EnergonVal, cook, val_counts
+from dataprep.format import (METADATA, DatasetInfo, FormatError, Shape, decode_bf16, encode_bf16,
+                             load_empty_encodings, read_info, write_empty_encodings, write_info)
+from flux_train.config import DataConfig, load_config
+from flux_train.data import DataError
+from flux_train.energon_data import EnergonTrainStream, EnergonVal, build_energon, cook, val_counts
 
 SPEC = FixtureSpec(train=24, val=13, text_len=4, height=2, width=2, seed=3, samples_per_shard=5)
 
@@ -182,13 +184,43 @@ def test_empty_encodings_are_float16_values_converted_not_viewed(tmp_path):
     assert t5.dtype == clip.dtype == torch.bfloat16
     assert t5.shape == (1, 1, 3) and clip.float().tolist() == [[0.5, -1.25, 3.0]]
     np.save(tmp_path / "clip_empty.npy", np.zeros((1, 3), np.uint16))
-    with pytest.raises(DataError, match="clip_empty.npy: dtype uint16, expected float16 values"):
+    with pytest.raises(FormatError, match="clip_empty.npy: dtype uint16, expected float16 values"):
         load_empty_encodings(tmp_path)
-    with pytest.raises(DataError, match="missing; write it with `python -m dataprep empty-encodings`"):
+    with pytest.raises(FormatError, match="missing; write it with `python -m dataprep empty-encodings`"):
         load_empty_encodings(tmp_path / "nowhere")
 
 
 # ------------------------------------------------------------------ the trainer on it
+
+
+def energon_config(path, *overrides):
+    return load_config("configs/debug.yaml", [f"data.path={path}", *overrides])
+
+
+def test_dims_mismatch_is_named_in_one_line_before_a_sample_is_read(dataset, tmp_path):
+    with pytest.raises(DataError) as bad_model:
+        build_energon(energon_config(dataset, "model.joint_attention_dim=3072"), 0, 1)
+    assert str(bad_model.value) == (
+        f"{dataset / METADATA}: the dataset's samples have t5 [4, 4096], the model takes t5 of width "
+        "model.joint_attention_dim 3072; use a model config with flux-schnell's input dims")
+    other = tmp_path / "empty16"
+    write_empty_encodings(other, torch.zeros(1, 16, 4096), torch.zeros(1, 768))
+    with pytest.raises(DataError) as bad_empty:
+        build_energon(energon_config(dataset, f"data.empty_encodings={other}"), 0, 1)
+    assert str(bad_empty.value) == (
+        f"{dataset / METADATA}: the dataset's samples have t5 [4, 4096], the empty encodings in {other} [16, 4096]; "
+        "point data.empty_encodings at the ones made for this data")
+
+
+def test_a_sample_unlike_the_description_is_named_at_the_first_eval(dataset, tmp_path):
+    copy = shutil.copytree(dataset, tmp_path / "ds")
+    write_info(copy, DatasetInfo(Shape(4, 4, 4), read_info(copy).splits))
+    source = build_energon(energon_config(copy), 0, 1)  # the description itself fits the model
+    with pytest.raises(DataError) as exc:
+        next(source.val())
+    assert str(exc.value) == (f"val/shard_000000.tar: sample 00000024: t5 [4, 4096], mean [16, 2, 2], but "
+                              f"{copy / METADATA} says L,H,W 4,4,4; check the dataset with `python -m dataprep "
+                              f"verify {copy}`")
 
 
 def test_two_rank_training_reads_an_uneven_fixture_through_energon(tmp_path):

@@ -20,9 +20,8 @@ from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 from dataprep.__main__ import main
 from dataprep.convert import convert
 from dataprep.fixture import FixtureSpec, fixture_samples, save_arrow, write_arrow
-from dataprep.format import DataprepError, Shape, encode_bf16
+from dataprep.format import DataprepError, Shape, decode_bf16, encode_bf16
 from dataprep.prepare import prepare
-from flux_train.data import decode_bf16
 from flux_train.energon_data import FluxTaskEncoder
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""`encode` and `empty-encodings` with tiny random-weight VAE/T5/CLIP built from configs (no downloads): the
+"""`encode` and `empty-encodings` with tiny random-weight VAE/T5/CLIP (tests/tiny_models.py, no downloads): the
 documented shapes and dtypes, the encoders' outputs stored bit for bit, the resize rules, bad inputs."""
 import io
 import tarfile
@@ -10,36 +10,9 @@ from PIL import Image
 
 from dataprep import images
 from dataprep.__main__ import main
+from dataprep.format import decode_bf16
 from dataprep.prepare import prepare
-from flux_train.data import decode_bf16
-
-WORDS = "a photo of cat dog red blue green on the".split()
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Local folders as users pass them: vae/, t5/, clip/, tokenizer/ (one tiny word-level tokenizer for both)."""
-    from diffusers import AutoencoderKL
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, processors
-    from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
-
-    root = tmp_path_factory.mktemp("models")
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "<s>": 3} | {w: i + 4 for i, w in enumerate(WORDS)}
-    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-                            bos_token="<s>").save_pretrained(root / "tokenizer")
-    torch.manual_seed(0)
-    T5EncoderModel(T5Config(vocab_size=len(vocab), d_model=4096, d_kv=8, d_ff=16, num_layers=1, num_heads=2,
-                            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).save_pretrained(root / "t5")
-    CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=768, intermediate_size=16, num_hidden_layers=1,
-                                 num_attention_heads=2, max_position_embeddings=77, pad_token_id=0, bos_token_id=3,
-                                 eos_token_id=1)).save_pretrained(root / "clip")
-    AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=16, norm_num_groups=4,
-                  use_quant_conv=False, use_post_quant_conv=False).save_pretrained(root / "vae")
-    return root
+from tiny_models import WORDS
 
 
 def image_bytes(size, fmt, seed):
@@ -85,11 +58,11 @@ def members(tar_path):
         return {m.name: t.extractfile(m).read() for m in t}
 
 
-def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it(models, tmp_path, capsys):
+def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it(tiny_models, tmp_path, capsys):
     out = tmp_path / "ds"
     shard = cc12m_shard(tmp_path / "cc12m-000.tar")
-    train = ["encode", "--split", "train", "--wds", str(shard), "--out", str(out), "--vae", str(models / "vae"),
-             *encoder_args(models), "--batch-size", "2"]
+    train = ["encode", "--split", "train", "--wds", str(shard), "--out", str(out), "--vae", str(tiny_models / "vae"),
+             *encoder_args(tiny_models), "--batch-size", "2"]
     assert main(train) == 1  # the broken image stops it, named
     assert "cc12m-000.tar:s2 (row 2): undecodable image" in capsys.readouterr().err
     assert main([*train, "--skip-bad"]) == 0
@@ -98,8 +71,8 @@ def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it
 
     image_dir, tsv = coco_folder(tmp_path / "coco")
     assert main(["encode", "--split", "val", "--images", str(image_dir), "--captions", str(tsv), "--out", str(out),
-                 "--vae", str(models / "vae"), *encoder_args(models)]) == 0
-    assert main(["empty-encodings", "--out", str(out), *encoder_args(models)]) == 0
+                 "--vae", str(tiny_models / "vae"), *encoder_args(tiny_models)]) == 0
+    assert main(["empty-encodings", "--out", str(out), *encoder_args(tiny_models)]) == 0
     prepare(out, workers=1, quiet=True)
     capsys.readouterr()
     assert main(["verify", str(out), "--workers", "0"]) == 0, capsys.readouterr().out  # full size 256,32,32
@@ -114,16 +87,16 @@ def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it
     from diffusers import AutoencoderKL
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
-    tok = AutoTokenizer.from_pretrained(models / "tokenizer")
+    tok = AutoTokenizer.from_pretrained(tiny_models / "tokenizer")
     image = images.to_tensor(images.resize_squash(Image.open(image_dir / "COCO_1.jpg").convert("RGB")))[None]
-    posterior = AutoencoderKL.from_pretrained(models / "vae").encode(image).latent_dist
+    posterior = AutoencoderKL.from_pretrained(tiny_models / "vae").encode(image).latent_dist
     caption = ["a photo of the dog"]
     t5_ids = tok(caption, max_length=256, padding="max_length", truncation=True, return_tensors="pt").input_ids
     clip_ids = tok(caption, max_length=77, padding="max_length", truncation=True, return_tensors="pt").input_ids
     with torch.no_grad():
         expected = {"mean": posterior.mean[0], "logvar": posterior.logvar[0],
-                    "t5": T5EncoderModel.from_pretrained(models / "t5")(input_ids=t5_ids).last_hidden_state[0],
-                    "clip": CLIPTextModel.from_pretrained(models / "clip")(input_ids=clip_ids).pooler_output[0]}
+                    "t5": T5EncoderModel.from_pretrained(tiny_models / "t5")(input_ids=t5_ids).last_hidden_state[0],
+                    "clip": CLIPTextModel.from_pretrained(tiny_models / "clip")(input_ids=clip_ids).pooler_output[0]}
     shapes = {"t5": (256, 4096), "clip": (768,), "mean": (16, 32, 32), "logvar": (16, 32, 32)}
     for part, shape in shapes.items():
         stored = decode_bf16(val_members[f"00000006.{part}.bytes"])
@@ -166,16 +139,16 @@ def test_crop_rounds_the_longer_side_up_and_squash_ignores_aspect():
     assert tensor.shape == (3, 4, 4) and tensor[0].eq(1).all() and tensor[1].eq(-1).all()
 
 
-def test_wrong_encoder_weights_stop_before_a_wrong_dataset(models, tmp_path, capsys):
+def test_wrong_encoder_weights_stop_before_a_wrong_dataset(tiny_models, tmp_path, capsys):
     from transformers import T5Config, T5EncoderModel
 
     T5EncoderModel(T5Config(vocab_size=16, d_model=64, d_kv=8, d_ff=16, num_layers=1, num_heads=2,
                             decoder_start_token_id=0)).save_pretrained(tmp_path / "t5-base-like")
     image_dir, tsv = coco_folder(tmp_path / "coco")
-    args = encoder_args(models)
+    args = encoder_args(tiny_models)
     args[args.index("--t5") + 1] = str(tmp_path / "t5-base-like")
     rc = main(["encode", "--split", "train", "--images", str(image_dir), "--captions", str(tsv),
-               "--out", str(tmp_path / "ds"), "--vae", str(models / "vae"), *args])
+               "--out", str(tmp_path / "ds"), "--vae", str(tiny_models / "vae"), *args])
     assert rc == 1
     assert "the encoders produced t5: shape [256, 64], expected [256, 4096]" in capsys.readouterr().err
     assert not list((tmp_path / "ds" / "train").glob("*.tar*"))

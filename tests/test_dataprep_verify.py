@@ -1,4 +1,5 @@
-"""`verify` passes a clean dataset with its counts and fails on each planted defect, naming it."""
+"""`verify` passes a clean dataset with its counts and fails on each planted defect, naming it; the dataset
+describes itself (shape and counts, written by `prepare`) and verify checks the samples against that."""
 import io
 import shutil
 import tarfile
@@ -8,6 +9,7 @@ import pytest
 
 from dataprep.__main__ import main
 from dataprep.fixture import FixtureSpec, write_fixture
+from dataprep.format import METADATA, DatasetInfo, Shape, read_info, write_info
 from dataprep.prepare import prepare
 
 SPEC = FixtureSpec(train=10, val=9, text_len=4, height=2, width=2, samples_per_shard=5)
@@ -85,7 +87,42 @@ def test_missing_empty_encodings_and_metadata_are_named(dataset, capsys):
     assert rc == 1 and ".nv-meta/dataset.yaml: missing; run `python -m dataprep prepare" in out
 
 
-def test_wrong_expected_shape_fails_every_sample(clean, capsys):
-    rc = main(["verify", str(clean), "--workers", "0"])  # default: the full-size 256,32,32
+def test_fixture_then_verify_with_no_flags_passes(tmp_path, capsys):
+    assert main(["fixture", "--out", str(tmp_path / "ds"), "--train", "6", "--val", "5"]) == 0
+    rc = main(["verify", str(tmp_path / "ds"), "--workers", "0"])
     out = capsys.readouterr().out
-    assert rc == 1 and "t5: shape [4, 4096], expected [256, 4096]" in out
+    assert rc == 0, out
+    assert "sample shape      L,H,W 16,8,8 (recorded in the dataset)" in out
+    info = read_info(tmp_path / "ds")
+    assert info == DatasetInfo(Shape(16, 8, 8), {"train": {"shards": 1, "samples": 6},
+                                                 "val": {"shards": 1, "samples": 5}})
+
+
+def test_samples_unlike_the_recorded_shape_fail_naming_the_sample(tmp_path, capsys):
+    root = write_fixture(tmp_path / "full", FixtureSpec(train=2, val=1, text_len=256, height=32, width=32))
+    write_info(root, DatasetInfo(Shape(16, 8, 8), read_info(root).splits))  # metadata says 16,8,8
+    rc = main(["verify", str(root), "--workers", "0"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "train/shard_000000.tar: sample 00000001: t5: shape [256, 4096], expected [16, 4096]" in out
+    assert "val/shard_000000.tar: sample 00000002: mean: shape [16, 32, 32], expected [16, 8, 8]" in out
+
+
+def test_shape_flag_asserts_the_recorded_shape(clean, capsys):
+    rc = main(["verify", str(clean), "--shape", "256,32,32", "--workers", "0"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert f"{clean / METADATA}: the dataset's samples are L,H,W 4,2,2, --shape expects 256,32,32" in out
+    assert "t5: shape" not in out  # the samples are what the dataset says they are
+
+
+def test_missing_description_and_stale_counts_are_named(dataset, capsys):
+    info = read_info(dataset)
+    write_info(dataset, DatasetInfo(info.shape, {**info.splits, "val": {"shards": 2, "samples": 8}}))
+    rc, out = verify(dataset, capsys)
+    assert rc == 1 and f"{dataset / METADATA}: records 8 val samples, 9 were read; rerun" in out
+    (dataset / METADATA).unlink()
+    rc = main(["verify", str(dataset), "--workers", "0"])
+    out = capsys.readouterr().out
+    assert rc == 1 and f"{dataset / METADATA}: missing, so the sample shape is unknown; run `python -m dataprep " \
+                       f"prepare {dataset}`" in out

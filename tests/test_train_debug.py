@@ -1,10 +1,11 @@
-"""The local debug run end to end on the CPU: it overfits, stops at the target, and its MLLOG passes the
-official compliance checker."""
+"""The local debug run end to end on the CPU: it overfits, stops at the target, its MLLOG passes the official
+compliance checker, and its terminal holds the metrics lines, not MLLOG's JSON or warnings meaning nothing."""
 import json
 import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 from flux_train.results import read_events
 from flux_train.train import main
@@ -14,13 +15,14 @@ from flux_train.train import main
 def debug_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("debug")
     proc = subprocess.run([sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml",
-                           "--set", f"logging.out_dir={out}"], capture_output=True, text=True, timeout=600)
+                           "--set", f"logging.out_dir={out}", "--set", "logging.tensorboard=true"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout
+    return out, proc
 
 
 def test_debug_run_overfits_and_stops_with_success(debug_run):
-    out, stdout = debug_run
+    out, proc = debug_run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
@@ -29,9 +31,31 @@ def test_debug_run_overfits_and_stops_with_success(debug_run):
     events = read_events(out / "mllog.log")
     run_stop = [e for e in events if e["key"] == "run_stop"]
     assert len(run_stop) == 1 and run_stop[0]["metadata"]["status"] == "success"
-    assert "status success" in stdout
+    assert "status success" in proc.stdout
     for key in ("loss", "lr", "grad_norm", "samples_per_s", "tflops_per_gpu", "data_wait_pct"):
         assert key in rows[0], key
+
+
+def test_report_png_draws_the_numbers_of_metrics_jsonl_and_tensorboard_has_them(debug_run):
+    out, _ = debug_run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    png = Image.open(out / "report.png")
+    assert png.format == "PNG" and png.size == (900, 1000)
+    drawn = json.loads(png.text["flux_train.report"])  # the numbers the panels plot
+    assert drawn["target"] == 0.586
+    assert drawn["val_loss"] == [[r["samples"], r["val_loss"]] for r in rows if "val_loss" in r]
+    assert drawn["train_loss"] == [[r["step"] * 8, r["loss"]] for r in rows if "loss" in r]  # GBS 8
+    assert drawn["samples_per_s_per_gpu"] == [[r["step"] * 8, r["samples_per_s_per_gpu"]] for r in rows if "loss" in r]
+    assert drawn["val_loss"][-1][1] <= 0.586  # the report of the run's end holds its last eval
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(out / "tensorboard"))
+    board.Reload()
+    for tag in ("loss", "val_loss", "samples_per_s_per_gpu"):
+        logged = [r for r in rows if tag in r]
+        assert [e.step for e in board.Scalars(tag)] == [r["step"] for r in logged]
+        assert [e.value for e in board.Scalars(tag)] == pytest.approx([r[tag] for r in logged], rel=1e-6)
 
 
 def test_mllog_has_every_key_in_order(debug_run):
@@ -53,6 +77,13 @@ def test_mllog_has_every_key_in_order(debug_run):
     assert keys.index("init_start") < keys.index("init_stop") < keys.index("run_start") < keys.index("block_start")
 
 
+def test_terminal_shows_metrics_not_mllog_or_pin_memory_warnings(debug_run):
+    out, proc = debug_run
+    assert ":::MLLOG" not in proc.stdout and "step 25 loss" in proc.stdout
+    assert (out / "mllog.log").read_text().count(":::MLLOG") > 20  # the events are in their file
+    assert "pin_memory" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
+
+
 def test_official_compliance_checker_accepts_the_log(debug_run):
     out, _ = debug_run
     proc = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
@@ -61,12 +92,14 @@ def test_official_compliance_checker_accepts_the_log(debug_run):
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
-def test_step_cap_ends_aborted(tmp_path):
+def test_step_cap_ends_aborted_with_mllog_on_stdout_when_asked(tmp_path, capsys):
     # in-process, so the synthetic source: forking energon's loader workers from pytest's process is not safe
     rc = main(["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", f"logging.out_dir={tmp_path}",
-               "--set", "train.max_steps=4",
+               "--set", "train.max_steps=4", "--set", "logging.mllog_stdout=true",
                "--set", "eval.every_steps=2", "--set", "logging.log_every=2"])
     assert rc == 0
+    logged = (tmp_path / "mllog.log").read_text().splitlines()
+    assert [line for line in capsys.readouterr().out.splitlines() if ":::MLLOG" in line] == logged
     events = read_events(tmp_path / "mllog.log")
     assert [e["metadata"]["status"] for e in events if e["key"] == "run_stop"] == ["aborted"]
     assert len([e for e in events if e["key"] == "eval_accuracy"]) == 2
