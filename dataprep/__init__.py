@@ -1,4 +1,5 @@
 """Data preparation for flux-train: `python -m dataprep {convert,encode,empty-encodings,prepare,verify,fixture}`.
 
-Every subcommand writes the energon dataset of DESIGN.md §4 (or checks it) and runs on a CPU-only host.
+Every subcommand writes the energon dataset (its format: dataprep/format.py, docs/data-format.md) or checks it,
+and runs on a CPU-only host.
 """

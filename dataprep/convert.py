@@ -1,6 +1,6 @@
 """`convert`: the MLCommons preprocessed sets (Hugging Face `save_to_disk`, Arrow) -> energon shards.
 
-Columns (DESIGN.md §4): __key__ (string), t5_encodings, clip_encodings, mean, logvar (np.save bytes of bf16
+Columns (docs/data-format.md): __key__ (string), t5_encodings, clip_encodings, mean, logvar (np.save bytes of bf16
 viewed as uint16) and timestep (int, val only). The npy bytes are copied unchanged; every sample is checked
 first (columns, npy header, dtype, shape, NaN/Inf, timestep, duplicate keys). Shards are converted in
 parallel by spawned worker processes, each opening the memory-mapped input itself.

@@ -1,4 +1,4 @@
-"""Image decoding and the resize rules of the reference (DESIGN.md §4)."""
+"""Image decoding and the resize rules of the reference (docs/data-format.md)."""
 from __future__ import annotations
 
 import io

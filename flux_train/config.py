@@ -51,7 +51,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # energon: the dataset of DESIGN.md §4 (written by `python -m dataprep`); synthetic: an in-memory random set
+    # energon: the dataset of docs/data-format.md (written by `python -m dataprep`); synthetic: an in-memory random set
     source: Literal["synthetic", "energon"] = "synthetic"
     # energon dataset root (the folder holding .nv-meta/, train/, val/, empty_encodings/); unset: a tiny fixture
     # dataset is written to fixture_dir and used (debug runs only)

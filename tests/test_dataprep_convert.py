@@ -1,4 +1,4 @@
-"""`convert` + `prepare` on real HF-arrow inputs: byte-identical round trip in the DESIGN.md §4 layout, crash and
+"""`convert` + `prepare` on real HF-arrow inputs: byte-identical round trip in the on-disk layout, crash and
 rerun, and bad input (hard stop naming file and row, or --skip-bad counted and listed)."""
 import hashlib
 import io
