@@ -22,6 +22,13 @@ def losses(out):
             if "loss" in r}
 
 
+def crashed_after_step_4(out):
+    """Make a run that ended at its step cap look like one that crashed there: no run_stop in its log (a finished
+    run is not started again)."""
+    log = out / "mllog.log"
+    log.write_text("".join(line for line in log.read_text().splitlines(True) if '"run_stop"' not in line))
+
+
 def run(out, *extra):
     args = ["--config", "configs/debug.yaml", "--set", f"logging.out_dir={out}", *COMMON, *extra]
     proc = subprocess.run([sys.executable, "-m", "flux_train.train", *args], capture_output=True, text=True,
@@ -91,9 +98,8 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
         assert progress["step"] == 4 and loader == {"consumed": 4}
     finally:
         dist.destroy_process_group()
-    # and a real resume continues from step 4; a crashed run has no run_stop (a finished one is not restarted)
-    log = out / "mllog.log"
-    log.write_text("".join(line for line in log.read_text().splitlines(True) if '"run_stop"' not in line))
+    # and a real resume continues from step 4
+    crashed_after_step_4(out)
     assert "resumed from" in run(out, "--set", "train.max_steps=5")
 
 
@@ -190,6 +196,7 @@ def test_async_checkpoints_complete_and_resume_exactly(tmp_path):
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000002", "step_00000004"]
     assert not list((out / "checkpoints").glob("*.tmp"))
     run(tmp_path / "full", "--set", "train.max_steps=6")
+    crashed_after_step_4(out)
     assert "resumed from" in run(out, "--set", "train.max_steps=6", "--set", "checkpoint.async_save=true")
     full, resumed = losses(tmp_path / "full"), losses(out)
     assert sorted(resumed) == list(range(1, 7))

@@ -78,9 +78,15 @@ def test_mesh_shape(world, local, shard, replicate, expected):
     assert mesh_shape(ParallelConfig(dp_shard=shard, dp_replicate=replicate), world, local) == expected
 
 
-def test_mesh_shape_rejects_mismatch():
-    with pytest.raises(ValueError, match="parallel.dp_replicate 2 x parallel.dp_shard 3 != world size 8"):
-        mesh_shape(ParallelConfig(dp_shard=3, dp_replicate=2), 8, 8)
+@pytest.mark.parametrize("shard,replicate,world,message", [
+    (3, -1, 8, r"parallel.dp_shard=3 does not divide the 8 ranks of this run; choose a divisor of 8 or -1"),
+    (2, 2, 8, r"parallel.dp_replicate 2 x parallel.dp_shard 2 != the 8 ranks of this run; set one of them to -1"),
+])
+def test_mesh_shape_rejects_meshes_that_do_not_fit(shard, replicate, world, message):
+    from flux_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        mesh_shape(ParallelConfig(dp_shard=shard, dp_replicate=replicate), world, 8)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
