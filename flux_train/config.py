@@ -20,7 +20,7 @@ from flux_train.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-# Fixed by the MLPerf flux1 rules and reference (DESIGN.md §3).
+# Fixed by the MLPerf flux1 rules and reference (docs/benchmark.md).
 EVAL_EVERY_SAMPLES = 262_144
 TARGET_VAL_LOSS = 0.586
 TRAIN_SAMPLES = 1_099_776

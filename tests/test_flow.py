@@ -20,7 +20,7 @@ def test_loss_matches_float64_formula():
     x_t, target = flow.noised(x0, flow.pack(noise_img), t)
     loss = flow.mse_loss(flow.pack(pred_img), target)
 
-    # the same in float64 numpy, straight from DESIGN.md §3 on the unpacked layout
+    # the same in float64 numpy, straight from docs/benchmark.md ("Training step") on the unpacked layout
     m, lv, e1, n, tt, p = (x.double().numpy() for x in (mean.float(), logvar.float(), eps1, noise_img, t, pred_img))
     z = m + np.exp(0.5 * lv) * e1
     x0_ref = (z - 0.1159) * 0.3611
