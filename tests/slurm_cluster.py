@@ -1,11 +1,17 @@
-"""A real two-node Slurm on loopback for the launcher tests (shared/notes/stack.md §4): slurmctld and two
-slurmd daemons as nodes n1 and n2 on 127.0.0.1, auth/none, 4 fake GPUs (gres files) per node, and the fast
-requeue settings. Where slurmctld is not installed the tests skip, except in CI (.ci/run installs Debian's
-packages), where they fail. The daemons are stopped by pid and /etc/hosts is restored at the end."""
+"""A real two-node Slurm on loopback for the launcher tests: slurmctld and two slurmd daemons as nodes n1 and
+n2 on 127.0.0.1, auth/none, 4 fake GPUs (gres files) per node, and the fast requeue settings. Where slurmctld
+is not installed the tests skip, except in CI (.ci/run installs Debian's packages), where they fail.
+
+The machine is left as it was found, also when the run is interrupted: the daemons see an /etc/hosts where
+n1 and n2 resolve through a bind mount in their own mount namespace (the machine's file is never written),
+they die with the test process (PR_SET_PDEATHSIG), and SIGTERM, like Ctrl-C, ends the session through the
+fixture's teardown, which cancels the jobs and stops the daemons by pid."""
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -69,8 +75,14 @@ class SlurmCluster:
         self.conf.write_text("\n".join(lines) + "\n")
 
     def _daemon(self, *argv: str, log: str) -> None:
+        # in a private mount namespace with our hosts file over /etc/hosts; killed when the test process dies
+        hosts = self.root / "hosts"
+        hosts.write_text(HOSTS.read_text().rstrip("\n") + f"\n127.0.0.1 {' '.join(NODES)}\n")
+        wrapped = ["unshare", "--mount", "--propagation", "private", "bash", "-c",
+                   'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *argv]
         with open(self.root / "log" / log, "w") as out:
-            self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env))
+            self.procs.append(subprocess.Popen(wrapped, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                               preexec_fn=_die_with_parent))
 
     def start(self) -> None:
         self._write_config()
@@ -116,17 +128,12 @@ class SlurmCluster:
         return wait_for(ended, timeout, f"job {job_id} end", interval=1.0)
 
 
-def _ensure_hosts() -> str | None:
-    """Make n1/n2 resolve (the rendezvous host is a Slurm node name); returns the original text to restore."""
-    try:
-        for n in NODES:
-            socket.gethostbyname(n)
-        return None
-    except OSError:
-        pass
-    original = HOSTS.read_text()
-    HOSTS.write_text(original.rstrip("\n") + f"\n127.0.0.1 {' '.join(NODES)}  # flux-train Slurm tests\n")
-    return original
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # pytest then runs the fixtures' teardown, as on Ctrl-C
 
 
 @pytest.fixture(scope="session")
@@ -135,18 +142,17 @@ def slurm_cluster(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail("slurmctld is not installed; .ci/run installs Debian's slurmctld, slurmd and slurm-client")
         pytest.skip("Slurm is not installed (apt-get install slurmctld slurmd slurm-client)")
-    original_hosts = _ensure_hosts()
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     saved_conf = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(cluster.conf)  # for submit subprocesses and submitit's sbatch calls
+    saved_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster.start()
         yield cluster
     finally:
         cluster.stop()
+        signal.signal(signal.SIGTERM, saved_term)
         if saved_conf is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = saved_conf
-        if original_hosts is not None:
-            HOSTS.write_text(original_hosts)

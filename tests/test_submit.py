@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from flux_train import container
 from flux_train import submit as sub
 
 SYSTEM = "configs/systems/cpu_02x02.yaml"
@@ -25,7 +26,7 @@ def dry(capsys, tmp_path, *args: str) -> tuple[str, list[str]]:
     assert sub.main(["--config", SYSTEM, "--dry-run", "--set", f"slurm.folder={tmp_path}/sub/%j", *args]) == 0
     out = capsys.readouterr().out
     script = out.split("# ---- sbatch script ----\n", 1)[1].split("# ---- per-node command", 1)[0]
-    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    srun = next(line for line in script.splitlines() if line.startswith("srun --unbuffered "))
     return script, shlex.split(srun)
 
 
@@ -167,7 +168,7 @@ def test_dry_run_script_is_the_one_submitit_submits(capsys, tmp_path):
     cfg = load_config(SYSTEM, [f"slurm.folder={tmp_path}/sub/%j", "container.runtime=docker",
                                "container.image=img"])
     folder = f"{tmp_path}/sub/%j"
-    srun_args, python = sub.container_command(cfg)
+    srun_args, python = container.command(cfg)
     executor = submitit.SlurmExecutor(folder=folder, python=shlex.join(python))
     executor.update_parameters(**sub.sbatch_parameters(cfg, folder, srun_args))
     assert executor._make_submission_file_text(executor._submitit_command_str, "uid") == script.rstrip("\n")
