@@ -110,8 +110,9 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait()
 
-    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, env=self.env, capture_output=True, text=True, check=check, timeout=30)
+    def run(self, *argv: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, env={**self.env, **(env or {})}, capture_output=True, text=True, check=check,
+                              timeout=30)
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (finished jobs stay visible for MinJobAge, 300 s)."""
