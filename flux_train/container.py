@@ -98,7 +98,10 @@ def command(cfg: Config) -> tuple[list[str], list[str]]:
         return [], [sys.executable]
     binds = mounts(cfg)
     workdir = c.workdir or os.getcwd()
-    python = shlex.split(c.python)
+    try:
+        python = shlex.split(c.python)
+    except ValueError as exc:
+        raise ConfigError(f"container.python {c.python!r}: {exc} (it is split like a shell command line)") from None
     if c.runtime == "pyxis":
         # only the srun step is containerised: the batch script and its requeue teardown stay on the host
         return [f"--container-image={c.image}", "--container-mounts=" + ",".join(m.spec() for m in binds),

@@ -6,6 +6,7 @@ is the submit directory, which the launcher mounts itself. Without an engine or 
 in CI, where they fail; apptainer skips with the reason .ci/containers gave when it could not set it up."""
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -32,12 +33,16 @@ class Engine:
     def env(self) -> dict[str, str]:
         return {**os.environ, "PATH": f"{self.path}:{os.environ['PATH']}" if self.path else os.environ["PATH"]}
 
-    def args(self, tmp_path: Path) -> list[str]:
-        """submit's flags for a run in this engine's container, with tmp_path (outputs, node-local dirs) mounted."""
+    def overrides(self, tmp_path: Path) -> list[str]:
+        """Config overrides for a run in this engine's container, with tmp_path (outputs, node-local dirs) mounted."""
         mounts = [str(tmp_path)] + [f"{p}:{p}:ro" for p in interpreter_dirs()]
-        sets = [f"container.python={sys.executable}", f"env.local_dir={tmp_path}/local", *self.sets]
-        return ["--runtime", self.runtime, "--container-image", self.image, "--mounts", ",".join(mounts),
-                *[a for s in sets for a in ("--set", s)]]
+        return [f"container.runtime={self.runtime}", f"container.image={self.image}",
+                f"container.mounts={json.dumps(mounts)}", f"container.python={sys.executable}",
+                f"env.local_dir={tmp_path}/local", *self.sets]
+
+    def args(self, tmp_path: Path) -> list[str]:
+        """The same as flags of `python -m flux_train.submit`."""
+        return [arg for override in self.overrides(tmp_path) for arg in ("--set", override)]
 
 
 def interpreter_dirs() -> list[str]:

@@ -3,10 +3,12 @@ the USR2 relay to workers, the preemption exit contract, and a killed worker end
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,6 +108,98 @@ def test_relay_waits_until_each_worker_handles_usr2(tmp_path):
         for child in children:
             child.kill()
             child.wait()
+
+
+# An agent-like process: rounds of SignalRelay around one long-lived worker that reports each signal it gets.
+DOUBLE_SIGNAL_AGENT = r"""
+import signal, subprocess, sys
+from flux_train import launch
+
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[2]], stdout=subprocess.PIPE, start_new_session=True)
+assert worker.stdout.readline() == b"ready\n"
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # between rounds: what the relay puts back
+node = launch.Node.detect(local=True)
+for _ in range(int(sys.argv[1])):
+    with launch.SignalRelay(node):
+        print("ready", flush=True)  # the test sends its two signals now
+        print(worker.stdout.readline().decode().strip(), flush=True)  # what the worker got
+worker.send_signal(signal.SIGINT)
+print(worker.stdout.readline().decode().strip(), flush=True)  # its total
+"""
+COUNTING_WORKER = r"""
+import os, signal
+count = 0
+def report(signum, frame):
+    global count
+    count += 1
+    os.write(1, f"{signal.Signals(signum).name} {count}\n".encode())
+signal.signal(signal.SIGUSR2, report)
+signal.signal(signal.SIGTERM, report)
+print("ready", flush=True)
+try:
+    while True:
+        signal.pause()
+except KeyboardInterrupt:
+    os.write(1, f"total {count}\n".encode())
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR2, signal.SIGTERM])
+def test_two_signals_within_a_millisecond_never_hang_or_act_twice(signum):
+    """Slurm's signal can reach the agent twice at once (directly and through apptainer's starter). 300 rounds
+    of two signals sent back to back: each round the worker gets the signal exactly once and the agent never
+    blocks (the handler that set a threading.Event deadlocked within a few rounds)."""
+    rounds = 300
+    agent = subprocess.Popen([sys.executable, "-c", DOUBLE_SIGNAL_AGENT, str(rounds), COUNTING_WORKER], cwd=ROOT,
+                             stdout=subprocess.PIPE)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line.decode().strip()) for line in agent.stdout], daemon=True).start()
+
+    def line(k: int) -> str:
+        try:
+            return lines.get(timeout=10)
+        except queue.Empty:
+            raise AssertionError(f"the agent hung in round {k}") from None
+
+    try:
+        for k in range(1, rounds + 1):
+            assert line(k) == "ready"
+            sent = time.perf_counter()
+            os.kill(agent.pid, signum)
+            os.kill(agent.pid, signum)
+            assert time.perf_counter() - sent < 1e-3
+            assert line(k) == f"{signum.name} {k}"
+        assert line(rounds) == f"total {rounds}"  # no round passed its signal on twice
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+@pytest.mark.slow
+def test_two_sigterms_stop_a_running_agent_once(tmp_path):
+    """Slurm's SIGTERM (scancel, the time limit), twice at once, to an agent with two training workers: it
+    passes it on once, its workers stop, and it exits with 143 (no traceback, no worker left behind)."""
+    marker = str(tmp_path)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "flux_train.launch", "--local", "--config", SYSTEM, "--set", "slurm.nodes=1",
+         "--set", "train.global_batch_size=4", "--set", "train.max_steps=100000", "--set", "eval.enabled=false",
+         "--set", f"logging.out_dir={tmp_path}/out", "--set", f"env.local_dir={tmp_path}"],
+        cwd=ROOT, env={**os.environ, "FLUX_TEST_MARKER": marker}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        mllog = tmp_path / "out" / "mllog.log"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (mllog.is_file() and "run_start" in mllog.read_text()):
+            time.sleep(0.3)
+        agent.send_signal(signal.SIGTERM)
+        agent.send_signal(signal.SIGTERM)
+        out, _ = agent.communicate(timeout=60)
+    finally:
+        agent.kill()
+    assert agent.returncode == 128 + signal.SIGTERM, out
+    assert out.count("got SIGTERM (the job is ending): passing it to the workers") == 1, out
+    assert "workers stopped on SIGTERM" in out and "Traceback" not in out, out
+    assert pid_with_env(FLUX_TEST_MARKER=marker) is None
 
 
 @pytest.mark.slow
