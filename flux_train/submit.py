@@ -6,8 +6,9 @@
         [--dry-run | --local]
 
 Every flag overrides the system config's value. submitit submits one Slurm task per node; srun starts it
-in the container (pyxis flags on the srun line; apptainer/docker/podman as the command srun runs), and
-there flux_train.launch.NodeAgent starts the node's workers. The resolved config travels in the job's
+in the container (flux_train.container: pyxis flags on the srun line; apptainer/docker/podman as the command
+srun runs, after a step in which every node checks its engine, image and mounts), and there
+flux_train.launch.NodeAgent starts the node's workers. The resolved config travels in the job's
 pickle. Requeue: the batch script exports $FLUX_REQUEUE_FLAG; the agent creates that file after its workers
 checkpointed on Slurm's USR2, and the script's teardown runs `scontrol requeue` on the host.
 """
