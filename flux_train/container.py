@@ -143,7 +143,7 @@ rlimits=(cpu fsize data stack core rss nproc nofile memlock as locks sigpending 
 if [[ $out =~ rlimit\ type\ ([0-9]+) ]]; then limit=${rlimits[${BASH_REMATCH[1]}]}
 elif [[ $out =~ RLIMIT_([A-Z]+) ]]; then limit=${BASH_REMATCH[1],,}
 fi
-[ -z "${limit:-}" ] || fail "$engine cannot set the $limit limit here (no CAP_SYS_RESOURCE, and above the hard limit it runs with): set container.ulimits.$limit lower, e.g. --set container.ulimits.$limit=N:N"
+[ -z "${limit:-}" ] || fail "$engine cannot set the $limit limit here (higher than this node lets it): set container.ulimits.$limit lower, e.g. --set container.ulimits.$limit=N:N"
 fail "the container does not start ($(last "$out")): check container.image, container.python and container.extra_args"
 """
 

@@ -69,8 +69,8 @@ def test_rlimit_the_engine_cannot_set(engine, tmp_path):
     # above fs.nr_open: no engine can set that, CAP_SYS_RESOURCE or not
     nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
     assert failed(check(engine, tmp_path, f"container.ulimits.nofile={nr_open + 1}")) == (
-        "flux-train: error: node n7: podman cannot set the nofile limit here (no CAP_SYS_RESOURCE, and above the "
-        "hard limit it runs with): set container.ulimits.nofile lower, e.g. --set container.ulimits.nofile=N:N")
+        "flux-train: error: node n7: podman cannot set the nofile limit here (higher than this node lets it): set "
+        "container.ulimits.nofile lower, e.g. --set container.ulimits.nofile=N:N")
 
 
 @PODMAN

@@ -1,5 +1,6 @@
 """The per-node agent (flux_train/launch.py): environment profiles and their precedence, Slurm topology,
-the USR2 relay to workers, the preemption exit contract, and a killed worker ending a --local run."""
+the USR2 and TERM relay to workers (also with two signals at once), the preemption exit contract, and a killed
+worker or SIGTERM ending a --local run."""
 from __future__ import annotations
 
 import os

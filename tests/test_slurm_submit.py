@@ -105,27 +105,26 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+STEPS, GBS = 30, 4
+PREEMPTED_RUN = ["--set", f"train.global_batch_size={GBS}", "--set", f"train.max_steps={STEPS}",
+                 "--set", "eval.every_steps=15"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_losses(tmp_path_factory) -> dict[int, float]:
-    """The preemption test's run without a preemption: one node, the same 2 ranks (--local, no container)."""
+    """The preemption test's run without a preemption: the same 2 ranks, on one node (--local, no container)."""
     out = tmp_path_factory.mktemp("uninterrupted")
     done = subprocess.run(
-        [sys.executable, "-m", "flux_train.submit", "--local", "--config", SYSTEM, "--nodes", "1", *PREEMPTED_RUN,
-         "--set", f"logging.out_dir={out}", "--set", f"slurm.folder={out}/sub/%j"],
+        [sys.executable, "-m", "flux_train.submit", "--local", "--config", SYSTEM, "--nodes", "1",
+         "--gpus-per-node", "2", *PREEMPTED_RUN, "--set", f"logging.out_dir={out}", "--set", f"slurm.folder={out}/sub/%j"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {m["step"]: m["loss"] for m in metrics(out) if "loss" in m}
 
 
-STEPS, GBS = 30, 4
-PREEMPTED_RUN = ["--gpus-per-node", "2", "--set", f"train.global_batch_size={GBS}", "--set", f"train.max_steps={STEPS}",
-                 "--set", "eval.every_steps=15"]
-
-
 @ENGINES
 def test_preemption_requeues_and_resumes_exactly(slurm_cluster, engine, tmp_path, uninterrupted_losses):
-    job = submit(tmp_path, *engine.args(tmp_path), "--gpus-per-node", "1",
-                 *PREEMPTED_RUN[2:], env=engine.env())
+    job = submit(tmp_path, *engine.args(tmp_path), "--gpus-per-node", "1", *PREEMPTED_RUN, env=engine.env())
     wait_run_start(slurm_cluster, job, tmp_path)
     slurm_cluster.run("scancel", "--signal=USR2", job)  # what Slurm sends signal_delay_s before the limit
     info = slurm_cluster.wait_job(job, timeout=300, restarts=1)
