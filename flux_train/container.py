@@ -126,24 +126,30 @@ fail() { echo "flux-train: error: node $node: $*" >&2; exit 1; }
 last() { tail -n 1 <<<"$1"; }
 engine=$1 image=$2
 shift 2
-command -v "$engine" >/dev/null || fail "$engine is not installed here (not on PATH): install it on every node, or choose another container.runtime"
+command -v "$engine" >/dev/null \
+  || fail "$engine is not installed here (not on PATH): install it on every node, or choose another container.runtime"
 while [ "$1" != -- ]; do
-  [ -e "$1" ] || fail "mount source $1 does not exist here: create it on every node (a shared filesystem), or fix container.mounts"
+  [ -e "$1" ] || fail "mount source $1 does not exist here:" \
+    "create it on every node (a shared filesystem), or fix container.mounts"
   shift
 done
 shift
 if [ "$engine" = apptainer ]; then
-  [[ $image == *://* || -r $image ]] || fail "image $image is missing or unreadable here: copy it to every node (a shared filesystem), or fix container.image"
+  [[ $image == *://* || -r $image ]] || fail "image $image is missing or unreadable here:" \
+    "copy it to every node (a shared filesystem), or fix container.image"
 else
-  out=$("$engine" version 2>&1) || fail "$engine does not work here ($(last "$out")): start its service, or choose another container.runtime"
-  "$engine" image inspect "$image" >/dev/null 2>&1 || fail "image $image is not in the $engine image store here: build or load it on every node ($engine load -i FILE), or fix container.image"
+  out=$("$engine" version 2>&1) \
+    || fail "$engine does not work here ($(last "$out")): start its service, or choose another container.runtime"
+  "$engine" image inspect "$image" >/dev/null 2>&1 || fail "image $image is not in the $engine image store here:" \
+    "build or load it on every node ($engine load -i FILE), or fix container.image"
 fi
 out=$("$@" 2>&1) && exit 0
 rlimits=(cpu fsize data stack core rss nproc nofile memlock as locks sigpending msgqueue nice rtprio rttime)
 if [[ $out =~ rlimit\ type\ ([0-9]+) ]]; then limit=${rlimits[${BASH_REMATCH[1]}]}
 elif [[ $out =~ RLIMIT_([A-Z]+) ]]; then limit=${BASH_REMATCH[1],,}
 fi
-[ -z "${limit:-}" ] || fail "$engine cannot set the $limit limit here (higher than this node lets it): set container.ulimits.$limit lower, e.g. --set container.ulimits.$limit=N:N"
+[ -z "${limit:-}" ] || fail "$engine cannot set the $limit limit here (higher than this node lets it):" \
+  "set container.ulimits.$limit lower, e.g. --set container.ulimits.$limit=N:N"
 fail "the container does not start ($(last "$out")): check container.image, container.python and container.extra_args"
 """
 

@@ -116,7 +116,8 @@ def uninterrupted_losses(tmp_path_factory) -> dict[int, float]:
     out = tmp_path_factory.mktemp("uninterrupted")
     done = subprocess.run(
         [sys.executable, "-m", "flux_train.submit", "--local", "--config", SYSTEM, "--nodes", "1",
-         "--gpus-per-node", "2", *PREEMPTED_RUN, "--set", f"logging.out_dir={out}", "--set", f"slurm.folder={out}/sub/%j"],
+         "--gpus-per-node", "2", *PREEMPTED_RUN, "--set", f"logging.out_dir={out}",
+         "--set", f"slurm.folder={out}/sub/%j"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {m["step"]: m["loss"] for m in metrics(out) if "loss" in m}
