@@ -162,15 +162,17 @@ def test_two_signals_within_a_millisecond_never_hang_or_act_twice(signum):
         except queue.Empty:
             raise AssertionError(f"the agent hung in round {k}") from None
 
+    gaps = []
     try:
         for k in range(1, rounds + 1):
             assert line(k) == "ready"
             sent = time.perf_counter()
             os.kill(agent.pid, signum)
             os.kill(agent.pid, signum)
-            assert time.perf_counter() - sent < 1e-3
+            gaps.append(time.perf_counter() - sent)
             assert line(k) == f"{signum.name} {k}"
         assert line(rounds) == f"total {rounds}"  # no round passed its signal on twice
+        assert sorted(gaps)[rounds // 2] < 1e-3  # back to back: microseconds apart, unless the test was descheduled
     finally:
         agent.kill()
         agent.wait()

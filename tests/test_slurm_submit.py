@@ -64,11 +64,18 @@ def namespace(pid: int, kind: str) -> str:
     return os.readlink(f"/proc/{pid}/ns/{kind}")
 
 
+def is_agent(pid: int) -> bool:
+    """submitit's entry point in Python (not the engine's client, whose arguments name it too)."""
+    try:
+        return (b"submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                and Path(f"/proc/{pid}/comm").read_text().startswith("python"))
+    except OSError:  # it has just exited
+        return False
+
+
 def assert_one_container_per_node(cluster, job: str) -> None:
     """Each node's agent runs in a mount namespace of its own, neither the machine's nor its slurmd's."""
-    agents = [pid for pid in pids_with_env(SLURM_JOB_ID=job)
-              if b"submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_bytes()
-              and Path(f"/proc/{pid}/comm").read_text().startswith("python")]
+    agents = [pid for pid in pids_with_env(SLURM_JOB_ID=job) if is_agent(pid)]
     outside = {namespace(pid, "mnt") for pid in [os.getpid(), *(p.pid for p in cluster.procs)]}
     inside = {namespace(pid, "mnt") for pid in agents}
     assert len(agents) == 2 and len(inside) == 2 and not inside & outside, (agents, inside, outside)
