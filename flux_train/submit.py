@@ -168,7 +168,10 @@ def resolve_config(args: argparse.Namespace) -> Config:
     if args.local and c.runtime == "pyxis":
         raise SubmitError("--local cannot use pyxis (it is an srun plugin): add --runtime none, apptainer, "
                           "docker or podman")
-    container.mounts(cfg), container.ulimits(cfg)  # raise on a malformed mount or ulimit before anything runs
+    # a malformed mount, ulimit or container.python stops here, before anything runs
+    container.mounts(cfg)
+    container.ulimits(cfg)
+    container.command(cfg)
     return cfg
 
 
