@@ -116,7 +116,8 @@ DOUBLE_SIGNAL_AGENT = r"""
 import signal, subprocess, sys
 from flux_train import launch
 
-worker = subprocess.Popen([sys.executable, "-c", sys.argv[2]], stdout=subprocess.PIPE, start_new_session=True)
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[2]], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          start_new_session=True)
 assert worker.stdout.readline() == b"ready\n"
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # between rounds: what the relay puts back
 node = launch.Node.detect(local=True)
@@ -124,11 +125,11 @@ for _ in range(int(sys.argv[1])):
     with launch.SignalRelay(node):
         print("ready", flush=True)  # the test sends its two signals now
         print(worker.stdout.readline().decode().strip(), flush=True)  # what the worker got
-worker.send_signal(signal.SIGINT)
+worker.stdin.close()
 print(worker.stdout.readline().decode().strip(), flush=True)  # its total
 """
 COUNTING_WORKER = r"""
-import os, signal
+import os, signal, sys
 count = 0
 def report(signum, frame):
     global count
@@ -137,11 +138,8 @@ def report(signum, frame):
 signal.signal(signal.SIGUSR2, report)
 signal.signal(signal.SIGTERM, report)
 print("ready", flush=True)
-try:
-    while True:
-        signal.pause()
-except KeyboardInterrupt:
-    os.write(1, f"total {count}\n".encode())
+sys.stdin.read()  # until the agent closes it
+os.write(1, f"total {count}\n".encode())
 """
 
 
