@@ -22,3 +22,10 @@ def pids_with_env(**env: str | int) -> list[int]:
 def pid_with_env(**env: str | int) -> int | None:
     """The pid of a process whose environment holds every NAME=VALUE given, or None."""
     return next(iter(pids_with_env(**env)), None)
+
+
+def parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:  # it has exited
+        return None

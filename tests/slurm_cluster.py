@@ -5,7 +5,8 @@ is not installed the tests skip, except in CI (.ci/run installs Debian's package
 The machine is left as it was found, also when the run is interrupted: the daemons see an /etc/hosts where
 n1 and n2 resolve through a bind mount in their own mount namespace (the machine's file is never written),
 they die with the test process (PR_SET_PDEATHSIG), and SIGTERM, like Ctrl-C, ends the session through the
-fixture's teardown, which cancels the jobs and stops the daemons by pid."""
+fixture's teardown, which cancels the jobs, waits for their processes, and stops the daemons and anything of the
+jobs that outlived them by pid."""
 from __future__ import annotations
 
 import ctypes
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from processes import parent, pids_with_env
 
 NODES = ("n1", "n2")
 HOSTS = Path("/etc/hosts")
@@ -93,15 +96,22 @@ class SlurmCluster:
         wait_for(lambda: self.run("sinfo", "-h", "-o", "%D", "-t", "idle").stdout.strip() == str(len(NODES)),
                  30, "both nodes idle")
 
+    def job_processes(self) -> list[int]:
+        """What runs for this cluster's jobs (slurmstepd, the job's own processes): all have our SLURM_CONF, and
+        neither are the daemons nor their own helpers (slurmctld's slurmscriptd)."""
+        daemons = {os.getpid(), *(proc.pid for proc in self.procs)}
+        return [pid for pid in pids_with_env(SLURM_CONF=str(self.conf))
+                if pid not in daemons and parent(pid) not in daemons]
+
     def stop(self) -> None:
         jobs = self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
         if jobs:
             self.run("scancel", *jobs, check=False)
-            try:
-                wait_for(lambda: not self.run("squeue", "-h", "-o", "%i", check=False).stdout.split(), 30,
-                         "jobs cancelled")
-            except TimeoutError:
-                pass
+        try:  # a slurmstepd reports to the daemons before it exits: stopping them first would strand it
+            wait_for(lambda: not self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+                     and not self.job_processes(), 60, "the jobs' processes to end")
+        except TimeoutError:
+            pass
         for proc in reversed(self.procs):  # the slurmd daemons, then slurmctld, by pid
             proc.terminate()
             try:
@@ -109,6 +119,11 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for pid in self.job_processes():  # whatever still outlived them, by pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def run(self, *argv: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(argv, env={**self.env, **(env or {})}, capture_output=True, text=True, check=check,
