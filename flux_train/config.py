@@ -222,6 +222,12 @@ class ContainerConfig:
     python: str = "/usr/bin/env python3"
     # docker/podman only (pyxis and apptainer pass the whole environment): extra variable names to pass in
     env: list[str] = field(default_factory=list)
+    # docker/podman only (apptainer and pyxis keep the node's limits): NAME: SOFT[:HARD] (-1: unlimited) on top
+    # of memlock: -1:-1; an engine without CAP_SYS_RESOURCE cannot go above the node's hard limits
+    ulimits: dict[str, str] = field(default_factory=dict)
+    # GPU passthrough options; null: from env.profile (nvidia: docker --gpus=all, podman CDI
+    # --device=nvidia.com/gpu=all, apptainer --nv; amd: /dev/kfd and /dev/dri, apptainer --rocm); [] for none
+    gpu_args: Optional[list[str]] = None
     extra_args: list[str] = field(default_factory=list)
 
 

@@ -6,13 +6,15 @@ flux_train.submit runs the same agent through submitit (NodeAgent); slurm/flux.s
 In order: export the environment profile (slurm/env/<profile>.env, socket interface, IB HCAs, env.vars;
 a variable already set in the job's environment is kept), point the compile caches at node-local disk,
 optionally run slurm/runtime_tunables.sh, then start one worker per GPU with torch's elastic launcher
-(c10d rendezvous on the job's first host) running `python -m flux_train.train`. A failed worker ends this
-node with its rank, host and cause in the log; srun's --kill-on-bad-exit then ends the other nodes.
+(static rendezvous on the job's first host: Slurm's node N is group rank N) running
+`python -m flux_train.worker` (the trainer). A failed worker ends this node with its rank, host and cause
+in the log; srun's --kill-on-bad-exit then ends the other nodes.
 
 Preemption and time limits: Slurm sends USR2 to this agent, which passes it on to its workers; they save
 a checkpoint and exit with PREEMPTED_EXIT_CODE; the agent then creates the flag file named by
 $FLUX_REQUEUE_FLAG, which the batch script's teardown turns into `scontrol requeue` on the host (so no
-Slurm client is needed in the container). The requeued job resumes with checkpoint.resume=auto.
+Slurm client is needed in the container). The requeued job resumes with checkpoint.resume=auto. SIGTERM
+(scancel, the end of the time limit) goes on to the workers as well, and the agent exits with 143.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ import argparse
 import logging
 import os
 import random
+import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -68,9 +72,16 @@ class Node:
 
     def port(self, configured: int) -> int:
         if self.count == 1:
-            return 0  # any free port: no other node needs to know it
-        # 0: the same port on every node, different across jobs (submitit's rule)
-        return configured or random.Random(self.job_id).randint(20000, 60000)
+            return free_port()  # no other node needs to know it
+        # 0: the same port on every node, different across jobs, below Linux's ephemeral ports (32768-60999),
+        # where no outgoing connection can hold it
+        return configured or random.Random(self.job_id).randint(20000, 32767)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def log(node: Node, message: str) -> None:
@@ -175,43 +186,76 @@ def _catches(pid: int, signum: int) -> bool:
 
 
 class SignalRelay:
-    """Passes USR2 to this node's workers (each in its own session, so Slurm's signal misses them).
-    A worker gets it only once it has installed its handler: before that, USR2 would kill it."""
+    """Passes Slurm's USR2 and TERM on to this node's workers (each in its own session, so Slurm's signal
+    misses them), once per worker and signal, including workers started after the signal came.
+
+    No Python code runs in signal context: CPython's C-level handler writes the signal's number to a
+    wake-up pipe (signal.set_wakeup_fd), in whichever thread the kernel interrupts, and this object's thread
+    reads the pipe and does the rest. So a second signal arriving during the first (Slurm's signal can come
+    twice, directly and through the container's starter) cannot block, and the main thread may be stuck
+    anywhere. USR2 goes only to workers that have installed their handler (before that it would kill them);
+    TERM goes to every worker, and the elastic agent then sees them stop. On exit the previous handlers come
+    back, except USR2's, which is ignored from then on: a late USR2 must not reach submitit's handler and
+    requeue a finished job."""
+
+    SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
     def __init__(self, node: Node):
         self.node = node
-        self.requested = threading.Event()
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._relay, daemon=True)
+        self.received: set[int] = set()  # read by the main thread once the workers are gone
+        self._previous: dict[int, object] = {}
+        self._thread = threading.Thread(target=self._relay, daemon=True)
 
     def __enter__(self) -> "SignalRelay":
-        # replaces submitit's handler, which would requeue at once instead of waiting for the checkpoint
-        signal.signal(signal.SIGUSR2, lambda signum, frame: self.requested.set())
-        self.thread.start()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._thread.start()
+        self._previous_wakeup = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        for signum in self.SIGNALS:
+            # replaces submitit's USR2 handler, which would requeue at once instead of waiting for the checkpoint
+            self._previous[signum] = signal.signal(signum, _wake_only)
         return self
 
     def __exit__(self, *exc) -> None:
-        # the workers are gone: a late USR2 must not reach submitit's handler and requeue a finished job
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-        self.done.set()
-        self.requested.set()
-        self.thread.join()
+        for signum, previous in self._previous.items():
+            signal.signal(signum, signal.SIG_IGN if signum == signal.SIGUSR2 else previous)
+        signal.set_wakeup_fd(self._previous_wakeup)
+        os.close(self._write)  # the thread reads end-of-file and stops
+        self._thread.join()
+        os.close(self._read)
 
     def _relay(self) -> None:
-        self.requested.wait()
-        if self.done.is_set():
-            return
-        log(self.node, "got USR2 (preemption or time limit): passing it to the workers")
-        sent: set[int] = set()
-        while not self.done.is_set():
-            for pid in _children(os.getpid()):
-                if pid not in sent and _catches(pid, signal.SIGUSR2):
-                    try:
-                        os.kill(pid, signal.SIGUSR2)
-                    except ProcessLookupError:
+        sent: dict[int, set[int]] = {}  # signal -> the workers it went to
+        while True:
+            if select.select([self._read], [], [], 0.2 if sent else None)[0]:
+                data = os.read(self._read, 64)
+                if not data:
+                    return
+                for signum in data:
+                    if signum not in self.SIGNALS:  # the wake-up pipe gets every signal with a Python handler
                         continue
-                    sent.add(pid)
-            self.done.wait(0.2)
+                    name = signal.Signals(signum).name
+                    if signum in sent:
+                        log(self.node, f"got {name} again: already passing it to the workers")
+                        continue
+                    log(self.node, f"got {name} ({WHY[signum]}): passing it to the workers")
+                    sent[signum] = set()
+                    self.received.add(signum)
+            for signum, pids in sent.items():
+                for pid in _children(os.getpid()):
+                    if pid not in pids and (signum != signal.SIGUSR2 or _catches(pid, signum)):
+                        try:
+                            os.kill(pid, signum)
+                        except ProcessLookupError:
+                            continue
+                        pids.add(pid)
+
+
+def _wake_only(signum, frame) -> None:
+    """A Python-level handler, so that CPython's own handler runs and writes to the wake-up pipe."""
+
+
+WHY = {signal.SIGUSR2: "preemption or time limit", signal.SIGTERM: "the job is ending"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,22 +270,23 @@ def launch_config(cfg: Config, node: Node, worker_logs: Path):
         min_nodes=node.count,
         max_nodes=node.count,
         nproc_per_node=cfg.slurm.gpus_per_node,
-        run_id=f"flux-{node.job_id}",
+        run_id=f"flux-{node.job_id}-{node.restarts}",
         role="flux",
-        rdzv_backend="c10d",
+        # Slurm fixes the nodes and their order: node N is group rank N, and the first node's agent hosts the
+        # store (the workers' too). Unlike c10d's dynamic rendezvous, nothing polls the store while the
+        # workers run, so a node whose workers stop later does not fail when the first node's agent is gone.
+        rdzv_backend="static",
         rdzv_endpoint=f"{node.master}:{node.port(cfg.env.master_port)}",
-        # Slurm's first node hosts the store; torch's hostname matching fails where node names are aliases
-        rdzv_configs={"is_host": node.rank == 0},
-        # the rendezvous orders nodes by this name, and rank 0's becomes the workers' MASTER_ADDR
-        local_addr=node.host,
+        rdzv_configs={"rank": node.rank},
         max_restarts=0,  # fail fast: recovery is Slurm's requeue plus the checkpoint, not an in-job restart
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",  # not SIGTERM: SignalRelay passes it on
         logs_specs=DefaultLogsSpecs(log_dir=str(worker_logs), tee=Std.ALL),
         log_line_prefix_template="[rank${rank}]:",
     )
 
 
 def worker_args(config_file: Path) -> list[str]:
-    return ["-u", "-m", "flux_train.train", "--config", str(config_file)]
+    return ["-u", "-m", "flux_train.worker", "--config", str(config_file)]
 
 
 def describe_failure(err, host: str, worker_logs: Path) -> str:
@@ -291,7 +336,8 @@ def request_requeue(cfg: Config, node: Node) -> str:
 
 
 def run_node(cfg: Config, local: bool = False) -> str:
-    """The whole per-node path; returns "finished", "requeued" or "preempted", raises WorkerFailure."""
+    """The whole per-node path; returns "finished", "requeued", "preempted" or "terminated" (SIGTERM), raises
+    WorkerFailure."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -316,12 +362,15 @@ def run_node(cfg: Config, local: bool = False) -> str:
     logging.basicConfig(format="%(message)s")
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.INFO)
     worker_logs = local_dir / f"workers-{os.getpid()}"  # this start's own: a requeued job starts again
-    with SignalRelay(node):
+    with SignalRelay(node) as relay:
         try:
             elastic_launch(launch_config(cfg, node, worker_logs), sys.executable)(*worker_args(config_file))
         except ChildFailedError as err:
             if stopped_for_requeue(err):
                 return request_requeue(cfg, node)
+            if signal.SIGTERM in relay.received:
+                log(node, "workers stopped on SIGTERM")
+                return "terminated"
             message = describe_failure(err, node.host, worker_logs)
             log(node, message)
             raise WorkerFailure(message) from None
@@ -348,13 +397,13 @@ def main(argv=None) -> int:
     p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")
     args = p.parse_args(argv)
     try:
-        run_node(load_config(args.config, args.overrides), args.local)
+        status = run_node(load_config(args.config, args.overrides), args.local)
     except ConfigError as exc:
         print(f"launch: config error: {exc}", file=sys.stderr)
         return 2
     except WorkerFailure:
         return 1  # already logged
-    return 0
+    return 128 + signal.SIGTERM if status == "terminated" else 0
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
         [--dry-run | --local]
 
 Every flag overrides the system config's value. submitit submits one Slurm task per node; srun starts it
-in the container (pyxis flags on the srun line; apptainer/docker/podman as the command srun runs), and
-there flux_train.launch.NodeAgent starts the node's workers. The resolved config travels in the job's
+in the container (flux_train.container: pyxis flags on the srun line; apptainer/docker/podman as the command
+srun runs, after a step in which every node checks its engine, image and mounts), and there
+flux_train.launch.NodeAgent starts the node's workers. The resolved config travels in the job's
 pickle. Requeue: the batch script exports $FLUX_REQUEUE_FLAG; the agent creates that file after its workers
 checkpointed on Slurm's USR2, and the script's teardown runs `scontrol requeue` on the host.
 """
@@ -21,21 +22,15 @@ import shutil
 import subprocess
 import sys
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from flux_train import container
 from flux_train.config import CONFIG_DIR, Config, ConfigError, ContainerConfig, load_config, validate
 from flux_train.launch import REQUEUE_FLAG_ENV, NodeAgent
 
 RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
-# docker/podman start from the image's environment: what the agent needs from Slurm's and the site's
-PASSTHROUGH = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_PROCID",
-               "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID",
-               "SLURM_ARRAY_TASK_ID", "SUBMITIT_EXECUTOR", "SUBMITIT_PREEMPT_SIGNAL", REQUEUE_FLAG_ENV,
-               "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE",
-               "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 # srun's exit status stays the job's; a flag left by an agent turns into a requeue from the host
 TEARDOWN = [
     "flux_rc=$?",
@@ -49,78 +44,6 @@ class SubmitError(Exception):
     """Bad input; the message names it and the fix."""
 
 
-@dataclass(frozen=True)
-class Mount:
-    src: str
-    dst: str
-    mode: str  # rw | ro
-
-    def spec(self) -> str:
-        return f"{self.src}:{self.dst}" + (":ro" if self.mode == "ro" else "")
-
-
-def parse_mount(text: str) -> Mount:
-    parts = text.split(":")
-    if "," in text or not parts[0] or len(parts) > 3 or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
-        raise SubmitError(f"container mount {text!r}: expected SRC, SRC:DST or SRC:DST:ro (paths without ',' "
-                          f"or ':')")
-    src = os.path.abspath(os.path.expanduser(parts[0]))
-    dst = parts[1] if len(parts) > 1 and parts[1] else src
-    if not dst.startswith("/"):
-        raise SubmitError(f"container mount {text!r}: the destination must be an absolute path")
-    return Mount(src, dst, parts[2] if len(parts) == 3 else "rw")
-
-
-def folder_root(folder: str) -> str:
-    """submitit's folder without its per-job part: what every node must see."""
-    return os.path.abspath(folder.split("%j")[0] or ".")
-
-
-def container_mounts(cfg: Config) -> list[Mount]:
-    """The submit directory (the default workdir) and submitit's folder at the same paths, then the config's."""
-    configured = [parse_mount(m) for m in cfg.container.mounts]
-    auto: list[Mount] = []
-    for path in ([] if cfg.container.workdir else [os.getcwd()]) + [folder_root(cfg.slurm.folder)]:
-        same_path = [m.src for m in auto + configured if m.src == m.dst]
-        if not any(path == src or path.startswith(src.rstrip("/") + "/") for src in same_path):
-            auto.append(Mount(path, path, "rw"))
-    return auto + configured
-
-
-def device_args(engine: str, profile: str, infiniband: bool) -> list[str]:
-    out = []
-    if profile == "nvidia":
-        out += ["--gpus=all"] if engine == "docker" else ["--device=nvidia.com/gpu=all"]  # podman: CDI
-    elif profile == "amd":
-        out += ["--device=/dev/kfd", "--device=/dev/dri", "--group-add=video", "--security-opt=seccomp=unconfined"]
-    if infiniband:
-        out += ["--device=/dev/infiniband", "--cap-add=IPC_LOCK"]
-    return out
-
-
-def container_command(cfg: Config) -> tuple[list[str], list[str]]:
-    """(srun options, argv before the Python command) that put each node's agent in the container."""
-    c = cfg.container
-    if c.runtime == "none":
-        return [], [sys.executable]
-    mounts = container_mounts(cfg)
-    workdir = c.workdir or os.getcwd()
-    python = shlex.split(c.python)
-    if c.runtime == "pyxis":
-        # only the srun step is containerised: the batch script and its requeue teardown stay on the host
-        return [f"--container-image={c.image}", "--container-mounts=" + ",".join(m.spec() for m in mounts),
-                f"--container-workdir={workdir}", *c.extra_args], python
-    if c.runtime == "apptainer":
-        gpus = {"nvidia": ["--nv"], "amd": ["--rocm"]}.get(cfg.env.profile, [])
-        return [], ["apptainer", "exec", *gpus, "--bind=" + ",".join(m.spec() for m in mounts),
-                    f"--pwd={workdir}", *c.extra_args, c.image, *python]
-    names = dict.fromkeys([*PASSTHROUGH, *c.env])
-    return [], [c.runtime, "run", "--rm", "--init", "--network=host", "--ipc=host", "--ulimit=memlock=-1:-1",
-                *device_args(c.runtime, cfg.env.profile, bool(cfg.env.ib_hca)),
-                *[f"--volume={m.spec()}" for m in mounts], f"--workdir={workdir}",
-                *[f"--env={name}" for name in names], *c.extra_args, c.image, *python]
-
-
 def shell_job_path(folder: str, name: str) -> str:
     """A shell word for <folder>/<name> with %j expanded from $SLURM_JOB_ID, everything else quoted."""
     return "${SLURM_JOB_ID}".join(shlex.quote(part) for part in os.path.join(folder, name).split("%j"))
@@ -129,6 +52,7 @@ def shell_job_path(folder: str, name: str) -> str:
 def sbatch_parameters(cfg: Config, folder: str, srun_container_args: list[str]) -> dict:
     """submitit SlurmExecutor parameters: one task per node, USR2 before the limit, requeue teardown."""
     s = cfg.slurm
+    check = container.node_check(cfg)
     params = {
         "nodes": s.nodes,
         "ntasks_per_node": 1,
@@ -137,7 +61,9 @@ def sbatch_parameters(cfg: Config, folder: str, srun_container_args: list[str]) 
         "job_name": s.job_name,
         "mem": f"{s.mem_gb}G" if s.mem_gb else "0",
         "signal_delay_s": s.signal_delay_s,
-        "setup": [f"export {REQUEUE_FLAG_ENV}={shell_job_path(folder, 'requeue.flag')}"],
+        "setup": [f"export {REQUEUE_FLAG_ENV}={shell_job_path(folder, 'requeue.flag')}",
+                  *(["# every node checks its container engine, image and mounts; each names itself on failure",
+                     f"srun --ntasks-per-node=1 {shlex.join(check)} || exit 1"] if check else [])],
         "teardown": TEARDOWN,
         # one dead node agent ends the job; Slurm 22.05-23.02 srun does not inherit --cpus-per-task
         "srun_args": ["--kill-on-bad-exit=1", *([f"--cpus-per-task={s.cpus_per_task}"] if s.cpus_per_task else []),
@@ -242,7 +168,10 @@ def resolve_config(args: argparse.Namespace) -> Config:
     if args.local and c.runtime == "pyxis":
         raise SubmitError("--local cannot use pyxis (it is an srun plugin): add --runtime none, apptainer, "
                           "docker or podman")
-    container_mounts(cfg)  # raises on a malformed mount before anything runs
+    # a malformed mount, ulimit or container.python stops here, before anything runs
+    container.mounts(cfg)
+    container.ulimits(cfg)
+    container.command(cfg)
     return cfg
 
 
@@ -256,10 +185,10 @@ def dry_run(cfg: Config) -> None:
     from flux_train.launch import Node, local_dir_for, wanted_env, worker_args
 
     folder = os.path.abspath(cfg.slurm.folder)
-    srun_args, python = container_command(cfg)
-    command = f"{shlex.join(python)} -u -m submitit.core._submit {shlex.quote(folder)}"
-    script = _make_sbatch_string(command=command, folder=folder, **sbatch_parameters(cfg, folder, srun_args))
-    srun_line = next(line for line in script.splitlines() if line.startswith("srun "))
+    srun_args, python = container.command(cfg)
+    command_line = f"{shlex.join(python)} -u -m submitit.core._submit {shlex.quote(folder)}"
+    script = _make_sbatch_string(command=command_line, folder=folder, **sbatch_parameters(cfg, folder, srun_args))
+    srun_line = next(line for line in script.splitlines() if line.startswith("srun --unbuffered "))
     node = Node("%j", 0, cfg.slurm.nodes, "<node>", "<first host>", 0)
     local_dir = local_dir_for(cfg, node)
     print("# flux-train dry run: nothing was submitted\n# ---- sbatch script ----")
@@ -270,7 +199,7 @@ def dry_run(cfg: Config) -> None:
     for key, value in wanted_env(cfg, local_dir).items():
         print(f"  {key}={value}")
     print(f"# ---- and {cfg.slurm.gpus_per_node} workers per node x {cfg.slurm.nodes} nodes, torch elastic "
-          f"launch with c10d rendezvous on the first host, each running ----")
+          f"launch with static rendezvous on the first host, each running ----")
     print("  " + shlex.join(["python", *worker_args(local_dir / "config.yaml")]))
 
 
@@ -280,7 +209,10 @@ def run_local(cfg: Config) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
     config_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    _, python = container_command(cfg)
+    _, python = container.command(cfg)
+    check = container.node_check(cfg)
+    if check and subprocess.call(check):
+        return 1  # the check has named the problem
     argv = [*python, "-u", "-m", "flux_train.launch", "--local", "--config", str(config_file)]
     print(f"running on this machine: {shlex.join(argv)}", flush=True)
     return subprocess.call(argv)
@@ -293,7 +225,7 @@ def submit(cfg: Config) -> None:
         raise SubmitError("sbatch/srun not found on PATH: run this on a Slurm login node, or use --local to run "
                           "on this machine, or --dry-run to see the job")
     folder = os.path.abspath(cfg.slurm.folder)
-    srun_args, python = container_command(cfg)
+    srun_args, python = container.command(cfg)
     # requeue counting is the agent's (slurm.max_requeue), not submitit's: its USR2 handler is replaced
     executor = submitit.SlurmExecutor(folder=folder, python=shlex.join(python))
     executor.update_parameters(**sbatch_parameters(cfg, folder, srun_args))

@@ -1,17 +1,26 @@
-"""A real two-node Slurm on loopback for the launcher tests (shared/notes/stack.md §4): slurmctld and two
-slurmd daemons as nodes n1 and n2 on 127.0.0.1, auth/none, 4 fake GPUs (gres files) per node, and the fast
-requeue settings. Where slurmctld is not installed the tests skip, except in CI (.ci/run installs Debian's
-packages), where they fail. The daemons are stopped by pid and /etc/hosts is restored at the end."""
+"""A real two-node Slurm on loopback for the launcher tests: slurmctld and two slurmd daemons as nodes n1 and
+n2 on 127.0.0.1, auth/none, 4 fake GPUs (gres files) per node, and the fast requeue settings. Where slurmctld
+is not installed the tests skip, except in CI (.ci/run installs Debian's packages), where they fail.
+
+The machine is left as it was found, also when the run is interrupted: the daemons see an /etc/hosts where
+n1 and n2 resolve through a bind mount in their own mount namespace (the machine's file is never written),
+they die with the test process (PR_SET_PDEATHSIG), and SIGTERM, like Ctrl-C, ends the session through the
+fixture's teardown, which cancels the jobs, waits for their processes, and stops the daemons and anything of the
+jobs that outlived them by pid."""
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from processes import parent, pids_with_env
 
 NODES = ("n1", "n2")
 HOSTS = Path("/etc/hosts")
@@ -69,8 +78,14 @@ class SlurmCluster:
         self.conf.write_text("\n".join(lines) + "\n")
 
     def _daemon(self, *argv: str, log: str) -> None:
+        # in a private mount namespace with our hosts file over /etc/hosts; killed when the test process dies
+        hosts = self.root / "hosts"
+        hosts.write_text(HOSTS.read_text().rstrip("\n") + f"\n127.0.0.1 {' '.join(NODES)}\n")
+        wrapped = ["unshare", "--mount", "--propagation", "private", "bash", "-c",
+                   'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *argv]
         with open(self.root / "log" / log, "w") as out:
-            self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env))
+            self.procs.append(subprocess.Popen(wrapped, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                               preexec_fn=_die_with_parent))
 
     def start(self) -> None:
         self._write_config()
@@ -81,15 +96,22 @@ class SlurmCluster:
         wait_for(lambda: self.run("sinfo", "-h", "-o", "%D", "-t", "idle").stdout.strip() == str(len(NODES)),
                  30, "both nodes idle")
 
+    def job_processes(self) -> list[int]:
+        """What runs for this cluster's jobs (slurmstepd, the job's own processes): all have our SLURM_CONF, and
+        neither are the daemons nor their own helpers (slurmctld's slurmscriptd)."""
+        daemons = {os.getpid(), *(proc.pid for proc in self.procs)}
+        return [pid for pid in pids_with_env(SLURM_CONF=str(self.conf))
+                if pid not in daemons and parent(pid) not in daemons]
+
     def stop(self) -> None:
         jobs = self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
         if jobs:
             self.run("scancel", *jobs, check=False)
-            try:
-                wait_for(lambda: not self.run("squeue", "-h", "-o", "%i", check=False).stdout.split(), 30,
-                         "jobs cancelled")
-            except TimeoutError:
-                pass
+        try:  # a slurmstepd reports to the daemons before it exits: stopping them first would strand it
+            wait_for(lambda: not self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+                     and not self.job_processes(), 60, "the jobs' processes to end")
+        except TimeoutError:
+            pass
         for proc in reversed(self.procs):  # the slurmd daemons, then slurmctld, by pid
             proc.terminate()
             try:
@@ -97,9 +119,15 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for pid in self.job_processes():  # whatever still outlived them, by pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
-    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, env=self.env, capture_output=True, text=True, check=check, timeout=30)
+    def run(self, *argv: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, env={**self.env, **(env or {})}, capture_output=True, text=True, check=check,
+                              timeout=30)
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (finished jobs stay visible for MinJobAge, 300 s)."""
@@ -116,17 +144,12 @@ class SlurmCluster:
         return wait_for(ended, timeout, f"job {job_id} end", interval=1.0)
 
 
-def _ensure_hosts() -> str | None:
-    """Make n1/n2 resolve (the rendezvous host is a Slurm node name); returns the original text to restore."""
-    try:
-        for n in NODES:
-            socket.gethostbyname(n)
-        return None
-    except OSError:
-        pass
-    original = HOSTS.read_text()
-    HOSTS.write_text(original.rstrip("\n") + f"\n127.0.0.1 {' '.join(NODES)}  # flux-train Slurm tests\n")
-    return original
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # pytest then runs the fixtures' teardown, as on Ctrl-C
 
 
 @pytest.fixture(scope="session")
@@ -135,18 +158,17 @@ def slurm_cluster(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail("slurmctld is not installed; .ci/run installs Debian's slurmctld, slurmd and slurm-client")
         pytest.skip("Slurm is not installed (apt-get install slurmctld slurmd slurm-client)")
-    original_hosts = _ensure_hosts()
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     saved_conf = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(cluster.conf)  # for submit subprocesses and submitit's sbatch calls
+    saved_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster.start()
         yield cluster
     finally:
         cluster.stop()
+        signal.signal(signal.SIGTERM, saved_term)
         if saved_conf is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = saved_conf
-        if original_hosts is not None:
-            HOSTS.write_text(original_hosts)

@@ -1,11 +1,15 @@
 """The per-node agent (flux_train/launch.py): environment profiles and their precedence, Slurm topology,
-the USR2 relay to workers, the preemption exit contract, and a killed worker ending a --local run."""
+the USR2 and TERM relay to workers (also with two signals at once), the preemption exit contract, and a killed
+worker or SIGTERM ending a --local run."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,8 +67,12 @@ def test_node_from_slurm(monkeypatch):
     assert (node.job_id, node.rank, node.count, node.host, node.master, node.restarts) == \
            ("77", 2, 3, "gpu11", "gpu08", 1)
     assert node.port(29500) == 29500
-    assert node.port(0) == launch.Node.detect().port(0) != 0  # derived from the job id: the same on every node
-    assert launch.Node.detect(local=True).count == 1 and launch.Node.detect(local=True).port(29500) == 0
+    # derived from the job id: the same on every node, and below the ephemeral ports no connection can hold
+    assert node.port(0) == launch.Node.detect().port(0) and 20000 <= node.port(0) < 32768
+    local = launch.Node.detect(local=True)
+    with socket.socket() as s:  # one node needs no agreed port: any free one
+        s.bind(("", local.port(29500)))
+    assert local.count == 1
 
 
 def test_preempted_exit_code_is_the_trainers():
@@ -101,6 +109,98 @@ def test_relay_waits_until_each_worker_handles_usr2(tmp_path):
         for child in children:
             child.kill()
             child.wait()
+
+
+# An agent-like process: rounds of SignalRelay around one long-lived worker that reports each signal it gets.
+DOUBLE_SIGNAL_AGENT = r"""
+import signal, subprocess, sys
+from flux_train import launch
+
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[2]], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          start_new_session=True)
+assert worker.stdout.readline() == b"ready\n"
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # between rounds: what the relay puts back
+node = launch.Node.detect(local=True)
+for _ in range(int(sys.argv[1])):
+    with launch.SignalRelay(node):
+        print("ready", flush=True)  # the test sends its two signals now
+        print(worker.stdout.readline().decode().strip(), flush=True)  # what the worker got
+worker.stdin.close()
+print(worker.stdout.readline().decode().strip(), flush=True)  # its total
+"""
+COUNTING_WORKER = r"""
+import os, signal, sys
+count = 0
+def report(signum, frame):
+    global count
+    count += 1
+    os.write(1, f"{signal.Signals(signum).name} {count}\n".encode())
+signal.signal(signal.SIGUSR2, report)
+signal.signal(signal.SIGTERM, report)
+print("ready", flush=True)
+sys.stdin.read()  # until the agent closes it
+os.write(1, f"total {count}\n".encode())
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR2, signal.SIGTERM])
+def test_two_signals_within_a_millisecond_never_hang_or_act_twice(signum):
+    """Slurm's signal can reach the agent twice at once (directly and through apptainer's starter). 300 rounds
+    of two signals sent back to back: each round the worker gets the signal exactly once and the agent never
+    blocks (the handler that set a threading.Event deadlocked within a few rounds)."""
+    rounds = 300
+    agent = subprocess.Popen([sys.executable, "-c", DOUBLE_SIGNAL_AGENT, str(rounds), COUNTING_WORKER], cwd=ROOT,
+                             stdout=subprocess.PIPE)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line.decode().strip()) for line in agent.stdout], daemon=True).start()
+
+    def line(k: int) -> str:
+        try:
+            return lines.get(timeout=10)
+        except queue.Empty:
+            raise AssertionError(f"the agent hung in round {k}") from None
+
+    gaps = []
+    try:
+        for k in range(1, rounds + 1):
+            assert line(k) == "ready"
+            sent = time.perf_counter()
+            os.kill(agent.pid, signum)
+            os.kill(agent.pid, signum)
+            gaps.append(time.perf_counter() - sent)
+            assert line(k) == f"{signum.name} {k}"
+        assert line(rounds) == f"total {rounds}"  # no round passed its signal on twice
+        assert sorted(gaps)[rounds // 2] < 1e-3  # back to back: microseconds apart, unless the test was descheduled
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+@pytest.mark.slow
+def test_two_sigterms_stop_a_running_agent_once(tmp_path):
+    """Slurm's SIGTERM (scancel, the time limit), twice at once, to an agent with two training workers: it
+    passes it on once, its workers stop, and it exits with 143 (no traceback, no worker left behind)."""
+    marker = str(tmp_path)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "flux_train.launch", "--local", "--config", SYSTEM, "--set", "slurm.nodes=1",
+         "--set", "train.global_batch_size=4", "--set", "train.max_steps=100000", "--set", "eval.enabled=false",
+         "--set", f"logging.out_dir={tmp_path}/out", "--set", f"env.local_dir={tmp_path}"],
+        cwd=ROOT, env={**os.environ, "FLUX_TEST_MARKER": marker}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        mllog = tmp_path / "out" / "mllog.log"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (mllog.is_file() and "run_start" in mllog.read_text()):
+            time.sleep(0.3)
+        agent.send_signal(signal.SIGTERM)
+        agent.send_signal(signal.SIGTERM)
+        out, _ = agent.communicate(timeout=60)
+    finally:
+        agent.kill()
+    assert agent.returncode == 128 + signal.SIGTERM, out
+    assert out.count("got SIGTERM (the job is ending): passing it to the workers") == 1, out
+    assert "workers stopped on SIGTERM" in out and "Traceback" not in out, out
+    assert pid_with_env(FLUX_TEST_MARKER=marker) is None
 
 
 @pytest.mark.slow

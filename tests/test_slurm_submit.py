@@ -1,9 +1,11 @@
-"""`python -m flux_train.submit` on a real two-node Slurm (tests/slurm_cluster.py): a run to the end on both
-nodes, a requeue on Slurm's USR2 that resumes from the checkpoint, a killed worker ending the whole job (through
-the docker runtime with a fake engine), and the plain sbatch script. CPU only: the "GPUs" are gloo worker
-processes and the GPU gres files are fake."""
+"""`python -m flux_train.submit` on a real two-node Slurm (tests/slurm_cluster.py), one podman or apptainer
+container per node (tests/containers.py): a run to the end on both nodes, a requeue on Slurm's USR2 that resumes
+exactly where the checkpoint was, a killed worker ending the whole job, each node's container check; and the
+plain sbatch script with the project in a virtualenv. CPU only: the "GPUs" are gloo worker processes and the
+GPU gres files are fake."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -14,13 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from containers import engine  # noqa: F401  the fixture
 from flux_train import results
-from processes import pid_with_env
-from slurm_cluster import wait_for
+from processes import pid_with_env, pids_with_env
+from slurm_cluster import TERMINAL, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "configs/systems/cpu_02x02.yaml"
+ENGINES = pytest.mark.parametrize("engine", ["podman", "apptainer"], indirect=True)
 
 
 def submit(tmp_path: Path, *args: str, env: dict | None = None) -> str:
@@ -48,12 +52,45 @@ def node_logs(tmp_path: Path, job: str) -> dict[int, str]:
             for node in (0, 1)}
 
 
-def wait_run_start(tmp_path: Path) -> None:
-    wait_for(lambda: any(e["key"] == "run_start" for e in mllog(tmp_path)), 150, "run_start in the MLLOG")
+def wait_run_start(cluster, job: str, tmp_path: Path) -> None:
+    def started() -> bool:
+        assert cluster.job(job).get("JobState") not in TERMINAL, node_logs(tmp_path, job)
+        return any(e["key"] == "run_start" for e in mllog(tmp_path))
+
+    wait_for(started, 150, "run_start in the MLLOG")
 
 
-def test_two_nodes_train_to_the_end(slurm_cluster, tmp_path):
-    job = submit(tmp_path, "--runtime", "none")
+def namespace(pid: int, kind: str) -> str:
+    return os.readlink(f"/proc/{pid}/ns/{kind}")
+
+
+def is_agent(pid: int) -> bool:
+    """submitit's entry point in Python (not the engine's client, whose arguments name it too)."""
+    try:
+        return (b"submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                and Path(f"/proc/{pid}/comm").read_text().startswith("python"))
+    except OSError:  # it has just exited
+        return False
+
+
+def assert_one_container_per_node(cluster, job: str) -> None:
+    """Each node's agent runs in a mount namespace of its own, neither the machine's nor its slurmd's."""
+    agents = [pid for pid in pids_with_env(SLURM_JOB_ID=job) if is_agent(pid)]
+    outside = {namespace(pid, "mnt") for pid in [os.getpid(), *(p.pid for p in cluster.procs)]}
+    inside = {namespace(pid, "mnt") for pid in agents}
+    assert len(agents) == 2 and len(inside) == 2 and not inside & outside, (agents, inside, outside)
+
+
+def assert_nothing_left(job: str) -> None:
+    """No process of the job outlives it: containers, agents and workers are gone."""
+    wait_for(lambda: not pids_with_env(SLURM_JOB_ID=job), 60, f"the processes of job {job} to end")
+
+
+@ENGINES
+def test_two_nodes_train_to_the_end(slurm_cluster, engine, tmp_path):
+    job = submit(tmp_path, *engine.args(tmp_path), env=engine.env())
+    wait_run_start(slurm_cluster, job, tmp_path)
+    assert_one_container_per_node(slurm_cluster, job)
     info = slurm_cluster.wait_job(job, timeout=240)
     logs = node_logs(tmp_path, job)
     assert info["JobState"] == "COMPLETED", logs
@@ -68,81 +105,140 @@ def test_two_nodes_train_to_the_end(slurm_cluster, tmp_path):
     events = mllog(tmp_path)
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] in ("success", "aborted")
     assert [e["key"] for e in events].count("eval_accuracy") >= 1
+    assert_nothing_left(job)
 
 
-def test_preemption_requeues_and_resumes(slurm_cluster, tmp_path):
-    steps, gbs = 30, 4
-    job = submit(tmp_path, "--runtime", "none", "--gpus-per-node", "1", "--set", f"train.global_batch_size={gbs}",
-                 "--set", f"train.max_steps={steps}", "--set", "eval.every_steps=15")
-    wait_run_start(tmp_path)
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+STEPS, GBS = 30, 4
+PREEMPTED_RUN = ["--set", f"train.global_batch_size={GBS}", "--set", f"train.max_steps={STEPS}",
+                 "--set", "eval.every_steps=15"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory) -> dict[int, float]:
+    """The preemption test's run without a preemption: the same 2 ranks, on one node (--local, no container)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    done = subprocess.run(
+        [sys.executable, "-m", "flux_train.submit", "--local", "--config", SYSTEM, "--nodes", "1",
+         "--gpus-per-node", "2", *PREEMPTED_RUN, "--set", f"logging.out_dir={out}",
+         "--set", f"slurm.folder={out}/sub/%j"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {m["step"]: m["loss"] for m in metrics(out) if "loss" in m}
+
+
+@ENGINES
+def test_preemption_requeues_and_resumes_exactly(slurm_cluster, engine, tmp_path, uninterrupted_losses):
+    job = submit(tmp_path, *engine.args(tmp_path), "--gpus-per-node", "1", *PREEMPTED_RUN, env=engine.env())
+    wait_run_start(slurm_cluster, job, tmp_path)
     slurm_cluster.run("scancel", "--signal=USR2", job)  # what Slurm sends signal_delay_s before the limit
     info = slurm_cluster.wait_job(job, timeout=300, restarts=1)
     logs = node_logs(tmp_path, job)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", logs
     assert "flux-train: requeueing job" in logs[0]
     for node in (0, 1):
-        assert "got USR2" in logs[node] and "asked the batch script to requeue the job" in logs[node]
+        assert "got SIGUSR2" in logs[node] and "asked the batch script to requeue the job" in logs[node]
         assert f"job {job}, restart 1:" in logs[node]
     saved = re.search(r"saved checkpoint \S+/step_(\d+)", logs[0])
     resumed = re.search(r"resumed from \S+/step_(\d+) at step (\d+)", logs[0])
     assert saved and resumed, logs[0]
-    assert saved.group(1) == resumed.group(1) and 0 < int(resumed.group(2)) < steps
+    assert saved.group(1) == resumed.group(1) and 0 < int(resumed.group(2)) < STEPS
+    # every step once, with the losses of the same run without the preemption
+    losses = [(m["step"], m["loss"]) for m in metrics(tmp_path / "out") if "loss" in m]
+    assert [step for step, _ in losses] == list(range(1, STEPS + 1))
+    for step, loss in losses:
+        assert loss == pytest.approx(uninterrupted_losses[step], rel=1e-6, abs=1e-7), step
     events = mllog(tmp_path)
     keys = [e["key"] for e in events]
     assert keys.count("run_start") == 1  # one run, continued: not started again from step 0
-    assert keys[-1] == "run_stop" and events[-1]["metadata"]["samples_count"] == steps * gbs
+    assert keys[-1] == "run_stop" and events[-1]["metadata"]["samples_count"] == STEPS * GBS
+    assert_nothing_left(job)
 
 
-# No container engine can run here: this stand-in for `docker run` runs the command directly, with only the
-# variables named by --env=NAME (plus a bare PATH and HOME, like an image's) and in --workdir, as docker would.
-FAKE_DOCKER = """
-import json, os, sys
-args = sys.argv[1:]
-assert args[0] == "run", args
-i = 1
-while args[i].startswith("--"):
-    i += 1
-options, command = args[1:i], args[i + 1:]
-with open(os.environ["FAKE_DOCKER_RECORD"], "a") as record:
-    record.write(json.dumps(args) + "\\n")
-env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root"}
-env.update({o[6:]: os.environ[o[6:]] for o in options if o.startswith("--env=") and o[6:] in os.environ})
-os.chdir(next(o[10:] for o in options if o.startswith("--workdir=")))
-os.execve(command[0], command, env)
-"""
-
-
-def test_dead_worker_ends_the_job_naming_its_rank(slurm_cluster, tmp_path):
-    """Through the docker runtime (a fake engine, above): the agent gets all it needs from the variables
-    passed by name, and a worker killed on node 1 ends both nodes quickly."""
-    bin_dir, record = tmp_path / "bin", tmp_path / "docker.jsonl"
-    bin_dir.mkdir()
-    (bin_dir / "docker").write_text(f"#!{sys.executable}" + FAKE_DOCKER)
-    (bin_dir / "docker").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_DOCKER_RECORD": str(record)}
-    job = submit(tmp_path, "--runtime", "docker", "--container-image", "flux-train:test",
-                 "--set", f"container.python={sys.executable}", "--set", "container.env=[FAKE_DOCKER_RECORD]",
-                 "--set", "train.max_steps=100000", "--set", "eval.enabled=false", env=env)
-    wait_run_start(tmp_path)
-    assert len(record.read_text().splitlines()) == 2  # one container per node
-    pid = wait_for(lambda: pid_with_env(TORCHELASTIC_RUN_ID=f"flux-{job}", RANK=3), 10, "worker rank 3")
+@ENGINES
+def test_dead_worker_ends_the_job_naming_its_rank(slurm_cluster, engine, tmp_path):
+    """A worker killed on node 1 ends both nodes quickly, and node 1 names it: rank, host, and its pid as the
+    agent sees it (in podman's pid namespace)."""
+    job = submit(tmp_path, *engine.args(tmp_path), "--set", "train.max_steps=100000", "--set", "eval.enabled=false",
+                 env=engine.env())
+    wait_run_start(slurm_cluster, job, tmp_path)
+    pid = wait_for(lambda: pid_with_env(TORCHELASTIC_RUN_ID=f"flux-{job}-0", RANK=3), 10, "worker rank 3")
+    status = Path(f"/proc/{pid}/status").read_text()
+    seen = next(line.split()[-1] for line in status.splitlines() if line.startswith("NSpid:"))
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     info = slurm_cluster.wait_job(job, timeout=60)
     assert time.monotonic() - killed < 45
     logs = node_logs(tmp_path, job)
     assert info["JobState"] == "FAILED", logs
-    assert "worker rank 3 (local rank 1, pid %d) on n2 failed: killed by SIGKILL" % pid in logs[1]
+    assert f"worker rank 3 (local rank 1, pid {seen}) on n2 failed: killed by SIGKILL" in logs[1]
+    assert_nothing_left(job)
 
 
-def test_plain_sbatch_script(slurm_cluster, tmp_path):
-    out = slurm_cluster.run(
+@pytest.mark.parametrize("engine", ["podman"], indirect=True)
+def test_each_node_checks_its_container_first(slurm_cluster, engine, tmp_path):
+    """An image that is not on the nodes: every node says so, naming itself and the fix, and the job ends."""
+    job = submit(tmp_path, *engine.args(tmp_path), "--container-image", "localhost/flux-train-ci:nowhere",
+                 env=engine.env())
+    info = slurm_cluster.wait_job(job, timeout=60)
+    logs = node_logs(tmp_path, job)
+    assert info["JobState"] == "FAILED", logs
+    for node in ("n1", "n2"):  # the check step's output is in the batch script's log: node 0's
+        assert (f"flux-train: error: node {node}: image localhost/flux-train-ci:nowhere is not in the podman image "
+                f"store here: build or load it on every node (podman load -i FILE), or fix container.image") in logs[0]
+    assert "[launch node" not in logs[0] + logs[1]  # no agent started
+
+
+NO_PYTHON = {"FLUX_PYTHON": "", "VIRTUAL_ENV": "", "CONDA_PREFIX": ""}  # what the script would pick
+DECOY_PYTHON = "#!/bin/sh\necho decoy >> \"$(dirname \"$0\")/called\"\nexit 1\n"
+
+
+@pytest.fixture
+def decoy_path(tmp_path) -> str:
+    """A PATH whose python3 is not the project's interpreter (it fails, and records that it was called)."""
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    (decoy / "python3").write_text(DECOY_PYTHON)
+    (decoy / "python3").chmod(0o755)
+    return f"{decoy}:/usr/local/bin:/usr/bin:/bin"
+
+
+def sbatch(cluster, tmp_path: Path, env: dict) -> tuple[dict, str]:
+    out = cluster.run(
         "sbatch", "--parsable", "--nodes=2", "--time=10", f"--output={tmp_path}/%j.out", "slurm/flux.sbatch",
         "--config", SYSTEM, "--set", "slurm.gpus_per_node=1", "--set", "train.global_batch_size=4",
-        "--set", "train.max_steps=4", "--set", "eval.enabled=false", "--set", f"logging.out_dir={tmp_path}/out")
+        "--set", "train.max_steps=4", "--set", "eval.enabled=false", "--set", f"logging.out_dir={tmp_path}/out",
+        env=env)
     job = out.stdout.strip().split(";")[0]
-    info = slurm_cluster.wait_job(job, timeout=180)
-    log = (tmp_path / f"{job}.out").read_text()
+    info = cluster.wait_job(job, timeout=180)
+    return info, (tmp_path / f"{job}.out").read_text()
+
+
+def test_plain_sbatch_runs_the_virtualenvs_python(slurm_cluster, tmp_path, decoy_path, virtualenv):
+    """Submitted with the virtualenv active (VIRTUAL_ENV set) but a PATH that leads elsewhere, as after a
+    site's login profile: the job runs the virtualenv's interpreter on both nodes."""
+    info, log = sbatch(slurm_cluster, tmp_path, {**NO_PYTHON, "PATH": decoy_path, "VIRTUAL_ENV": str(virtualenv)})
     assert info["JobState"] == "COMPLETED", log
     assert "[launch node 0/2 n1]" in log and "[launch node 1/2 n2]" in log
     assert mllog(tmp_path)[-1]["key"] == "run_stop"
+    assert not (Path(decoy_path.split(":")[0]) / "called").exists()
+
+
+def test_plain_sbatch_without_the_projects_python_says_so(slurm_cluster, tmp_path, decoy_path):
+    info, log = sbatch(slurm_cluster, tmp_path, {**NO_PYTHON, "PATH": decoy_path})
+    assert info["JobState"] == "FAILED"
+    assert ("flux-train: error: python3 cannot import torch and flux_train: submit with the virtualenv the project is "
+            "installed in active, or set FLUX_PYTHON to its interpreter") in log
+
+
+@pytest.fixture(scope="session")
+def virtualenv(tmp_path_factory) -> Path:
+    """A virtualenv with the project: this interpreter's, or else a new one that sees this interpreter's packages."""
+    if sys.prefix != sys.base_prefix:
+        return Path(sys.prefix)
+    venv = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    return venv

@@ -1,8 +1,10 @@
 """`python -m flux_train.submit`: the generated sbatch script and per-node commands field by field (pyxis,
-apptainer, docker, podman), hostile config strings staying inert, and one clear error per bad input.
+apptainer, docker, podman: engine options, mounts, GPU passthrough, ulimits, the per-node check), hostile
+config strings staying inert, and one clear error per bad input.
 
-No container engine can run here: these tests check the commands we generate; tests/test_slurm_submit.py
-runs the real thing with runtime none, and a fake `srun` shim (below) only records its arguments."""
+These tests check the commands we generate: pyxis (an srun plugin) and docker run nowhere here, and a fake
+`srun` shim (below) only records its arguments. tests/test_slurm_submit.py runs podman and apptainer for real,
+tests/test_container.py the per-node check."""
 from __future__ import annotations
 
 import json
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from flux_train import container
 from flux_train import submit as sub
 
 SYSTEM = "configs/systems/cpu_02x02.yaml"
@@ -25,7 +28,7 @@ def dry(capsys, tmp_path, *args: str) -> tuple[str, list[str]]:
     assert sub.main(["--config", SYSTEM, "--dry-run", "--set", f"slurm.folder={tmp_path}/sub/%j", *args]) == 0
     out = capsys.readouterr().out
     script = out.split("# ---- sbatch script ----\n", 1)[1].split("# ---- per-node command", 1)[0]
-    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    srun = next(line for line in script.splitlines() if line.startswith("srun --unbuffered "))
     return script, shlex.split(srun)
 
 
@@ -118,6 +121,58 @@ def test_docker_amd_and_podman_nvidia_devices(capsys, tmp_path):
     assert program(argv)[:2] == ["podman", "run"] and "--device=nvidia.com/gpu=all" in program(argv)
 
 
+def test_ulimits_add_to_memlock_and_replace_or_drop_it(capsys, tmp_path):
+    def ulimits(*sets: str) -> list[str]:
+        _, argv = dry(capsys, tmp_path, "--runtime", "podman", "--container-image", "img",
+                      *[arg for s in sets for arg in ("--set", s)])
+        return [o for o in program(argv) if o.startswith("--ulimit")]
+
+    assert ulimits() == ["--ulimit=memlock=-1:-1"]
+    assert ulimits("container.ulimits.nofile=1024:4096") == ["--ulimit=memlock=-1:-1", "--ulimit=nofile=1024:4096"]
+    assert ulimits("container.ulimits.memlock=8388608") == ["--ulimit=memlock=8388608"]
+    assert ulimits("container.ulimits.memlock=") == []  # the engine's own limit
+    _, argv = dry(capsys, tmp_path, "--runtime", "apptainer", "--container-image", "/i.sif")
+    assert not [o for o in program(argv) if o.startswith("--ulimit")]  # apptainer keeps the node's limits
+
+
+@pytest.mark.parametrize("runtime,profile,gpu_args,present,absent", [
+    ("podman", "nvidia", None, ["--device=nvidia.com/gpu=all"], ["--gpus=all"]),
+    ("podman", "nvidia", "[--gpus=all]", ["--gpus=all"], ["--device=nvidia.com/gpu=all"]),  # nvidia's hook
+    ("docker", "nvidia", "[]", [], ["--gpus=all"]),
+    ("docker", "amd", "['--device=/dev/kfd', '--device=/dev/dri/renderD128']",
+     ["--device=/dev/kfd", "--device=/dev/dri/renderD128"], ["--device=/dev/dri", "--group-add=video"]),
+    ("apptainer", "amd", None, ["--rocm"], ["--nv"]),
+    ("apptainer", "nvidia", "[--nvccli]", ["--nvccli"], ["--nv"]),
+])
+def test_gpu_passthrough_per_engine_and_overridable(capsys, tmp_path, runtime, profile, gpu_args, present, absent):
+    sets = ["--set", f"container.gpu_args={gpu_args}"] if gpu_args else []
+    _, argv = dry(capsys, tmp_path, "--runtime", runtime, "--container-image", "img", "--set", f"env.profile={profile}",
+                  *sets)
+    options = program(argv)
+    options = options[:options.index("img")]
+    assert all(o in options for o in present) and not any(o in options for o in absent), options
+
+
+@pytest.mark.parametrize("runtime", ["docker", "podman", "apptainer", "pyxis", "none"])
+def test_each_node_checks_its_container_before_starting_it(capsys, tmp_path, runtime):
+    """docker, podman and apptainer: a step before the agents' runs the check on every node; its trial start is
+    the agent's own command with an import in place of submitit's entry point. pyxis reports its own errors."""
+    image = "./flux.sqsh" if runtime == "pyxis" else "img"
+    script, argv = dry(capsys, tmp_path, "--runtime", runtime, "--container-image", image, "--mounts", "/data:/d:ro",
+                       "--set", "container.python=/opt/venv/bin/python")
+    setup = script.split("# setup\n", 1)[1].split("# command", 1)[0]
+    if runtime in ("pyxis", "none"):
+        assert "srun" not in setup and "flux-train-check" not in script
+        return
+    words = shlex.split(setup[setup.index("srun "):])
+    assert words[:5] == ["srun", "--ntasks-per-node=1", "bash", "-c", container.NODE_CHECK]
+    assert words[5:8] == ["flux-train-check", runtime, image] and words[-3:] == ["||", "exit", "1"]
+    assert words[8:words.index("--")] == [os.getcwd(), f"{tmp_path}/sub", "/data"]  # every mount source
+    trial = words[words.index("--") + 1:-3]
+    assert program(argv)[-5:] == ["/opt/venv/bin/python", "-u", "-m", "submitit.core._submit", f"{tmp_path}/sub/%j"]
+    assert trial == program(argv)[:-4] + ["-c", "import flux_train, submitit"]
+
+
 def _fake_srun(bin_dir: Path, record: Path) -> None:
     """A stand-in `srun` that only records its argv (no Slurm, no container engine runs here)."""
     bin_dir.mkdir()
@@ -167,7 +222,7 @@ def test_dry_run_script_is_the_one_submitit_submits(capsys, tmp_path):
     cfg = load_config(SYSTEM, [f"slurm.folder={tmp_path}/sub/%j", "container.runtime=docker",
                                "container.image=img"])
     folder = f"{tmp_path}/sub/%j"
-    srun_args, python = sub.container_command(cfg)
+    srun_args, python = container.command(cfg)
     executor = submitit.SlurmExecutor(folder=folder, python=shlex.join(python))
     executor.update_parameters(**sub.sbatch_parameters(cfg, folder, srun_args))
     assert executor._make_submission_file_text(executor._submitit_command_str, "uid") == script.rstrip("\n")
@@ -193,6 +248,11 @@ def test_bad_flags_one_clear_message(capsys, tmp_path, args, message):
     (["--config", SYSTEM, "--mounts", "/a:b"], "container mount '/a:b': the destination must be an absolute path"),
     (["--config", SYSTEM, "--local", "--runtime", "pyxis", "--container-image", "x"], "--local cannot use pyxis"),
     (["--config", SYSTEM, "--time", "1"], "slurm.signal_delay_s=60 must be between 0 and the time limit (1 min)"),
+    (["--config", SYSTEM, "--set", "container.ulimits.nofile=lots"],
+     "container.ulimits.nofile='lots': expected SOFT or SOFT:HARD in whole numbers (-1: unlimited)"),
+    (["--config", SYSTEM, "--set", "container.ulimits.files=1"], "container.ulimits.files: unknown limit; accepted: "),
+    (["--config", SYSTEM, "--runtime", "docker", "--container-image", "x", "--set", "container.python=python3 'x"],
+     "container.python \"python3 'x\": No closing quotation (it is split like a shell command line)"),
 ])
 def test_bad_input_one_clear_message(capsys, tmp_path, args, message):
     assert sub.main([*args, "--set", f"slurm.folder={tmp_path}/sub/%j"]) == 2
