@@ -27,11 +27,18 @@ SYSTEM = "configs/systems/cpu_02x02.yaml"
 ENGINES = pytest.mark.parametrize("engine", ["podman", "apptainer"], indirect=True)
 
 
+def job_env(env: dict | None = None) -> dict:
+    """The submitting shell's environment, without what this test process's torch wrote into its own: inductor
+    sets TORCHINDUCTOR_CACHE_DIR to its default under /tmp when first used, and a job keeps a variable it
+    inherits (a read-only /tmp in apptainer then stops every worker)."""
+    return {k: v for k, v in (env or os.environ).items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+
+
 def submit(tmp_path: Path, *args: str, env: dict | None = None) -> str:
     out = subprocess.run(
         [sys.executable, "-m", "flux_train.submit", "--config", SYSTEM, "--nodes", "2",
          "--set", f"logging.out_dir={tmp_path}/out", "--set", f"slurm.folder={tmp_path}/submitit/%j", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=job_env(env))
     assert out.returncode == 0, out.stderr
     job = re.search(r"submitted job (\d+)", out.stdout).group(1)
     assert f"log folder: {tmp_path}/submitit/{job}" in out.stdout and "tail -F" in out.stdout

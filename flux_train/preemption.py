@@ -1,0 +1,71 @@
+"""The preemption contract, in one place: how a Slurm job about to reach its time limit saves its state and
+comes back.
+
+1. Slurm sends SIGNAL (USR2) to every node's agent `slurm.signal_delay_s` seconds before the limit: sbatch's
+   `--signal`, which flux_train.submit sets and which, for the plain `sbatch slurm/flux.sbatch` path,
+   `python -m flux_train.preemption --config CONFIG` prints.
+2. The agent (flux_train.launch) passes it on to its workers. A worker notes it and acts at the next logging
+   boundary (every logging.log_every steps, where the ranks agree on stopping without an extra sync): it
+   saves a checkpoint and exits with EXIT_CODE.
+3. The agent sees its workers stop that way and creates the file named by $REQUEUE_FLAG_ENV.
+4. The batch script's teardown (slurm/requeue.sh, sourced right after srun on the batch host, where Slurm's
+   client is; a container needs none) finds that file and runs `scontrol requeue`. The requeued job resumes
+   from the latest checkpoint (checkpoint.resume=auto).
+
+So the lead time must cover up to log_every steps, one checkpoint save, and slack: `lead_time_advice` says
+so once the trainer has measured both.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from flux_train.errors import reports_user_errors
+
+SIGNAL = signal.SIGUSR2
+EXIT_CODE = 75  # EX_TEMPFAIL: saved a checkpoint on SIGNAL and stopped; the job requeues
+REQUEUE_FLAG_ENV = "FLUX_REQUEUE_FLAG"
+REQUEUE_SCRIPT = Path(__file__).resolve().parent.parent / "slurm" / "requeue.sh"
+
+
+def sbatch_options(signal_delay_s: int) -> list[str]:
+    return ["--requeue", f"--signal={SIGNAL.name.removeprefix('SIG')}@{signal_delay_s}"]
+
+
+def teardown() -> list[str]:
+    """The batch script's lines after srun: srun's exit status stays the job's."""
+    return [f"source {shlex.quote(str(REQUEUE_SCRIPT))}"]
+
+
+def lead_time_advice(signal_delay_s: int, log_every: int, step_s: float, save_s: float) -> str | None:
+    """A warning when the signal may come too late for a checkpoint: the stop waits for the next logging
+    boundary (up to log_every steps), then saves."""
+    needed = log_every * step_s + save_s
+    if needed <= 0.8 * signal_delay_s:
+        return None
+    return (f"slurm.signal_delay_s={signal_delay_s} may be too short to save a checkpoint before the time limit: "
+            f"a stop waits for the next logging boundary (up to logging.log_every={log_every} steps x "
+            f"{step_s:.1f} s) and then saves ({save_s:.0f} s): set slurm.signal_delay_s to at least "
+            f"{int(needed * 1.25) + 1}, or lower logging.log_every")
+
+
+@reports_user_errors
+def main(argv=None) -> int:
+    from flux_train.config import load_config
+
+    p = argparse.ArgumentParser(prog="python -m flux_train.preemption",
+                                description="Print the sbatch options of the preemption contract for a config "
+                                            "(for `sbatch $(...) slurm/flux.sbatch --config CONFIG`).")
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    print(shlex.join(sbatch_options(cfg.slurm.signal_delay_s)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The dependencies' private APIs that flux-train relies on, all of them, in one place, with the version range
+they are tested against (pyproject.toml pins it). None has a public equivalent; a release that changes one
+breaks here, and the tests named beside each fail first.
+
+- submitit 1.5 (<1.6): `_make_sbatch_string`, the sbatch script submitit would submit; `submit --dry-run`
+  prints it (submitit has no public dry run). Tests: tests/test_submit.py.
+- megatron-energon 7.3-7.x (<8): `Sharder.split_samples_to_workers`, energon's split of a split's samples over
+  the global workers, so that validation counts every sample once on any rank count. Tests:
+  tests/test_data_energon.py.
+- mlperf-logging 4.1 (<5): the compliance checker's `make_checker` and its module-level `enqueued_configs`,
+  the checker object's message dictionaries, `rcp_checker.check_directory` and the RCP table beside it. The
+  package's public interface is its command line, which prints and exits; `results` needs the verdicts keyed
+  by log key. Tests: tests/test_results.py.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def sbatch_script(command: str, folder: str, **parameters) -> str:
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    return _make_sbatch_string(command=command, folder=folder, **parameters)
+
+
+def split_samples_to_workers(total: int, workers: int) -> list[int]:
+    """Sample offsets: global worker i reads samples [offsets[i], offsets[i + 1])."""
+    from megatron.energon import WorkerConfig
+    from megatron.energon.flavors.webdataset.sharder import Sharder
+
+    return [int(o) for o in Sharder.split_samples_to_workers(0, total, WorkerConfig(rank=0, world_size=1,
+                                                                                    num_workers=workers))]
+
+
+@dataclass
+class CheckerVerdict:
+    passed: bool
+    by_key: dict[str, str]  # log key -> message
+    unkeyed: list[str]
+    warnings: list[str]
+
+
+def compliance_check(log: Path, usage: str, ruleset: str) -> CheckerVerdict:
+    """The official compliance checker on one log, in-process (its log lines go to the `logging` module)."""
+    from mlperf_logging.compliance_checker import mlp_compliance
+
+    checker = mlp_compliance.make_checker(usage, ruleset, quiet=False, werror=False)
+    mlp_compliance.enqueued_configs.clear()  # a module-level queue: a check that raised may have left configs in it
+    try:
+        passed = checker.check_file(str(log), f"{usage}_{ruleset}/common.yaml")
+    except Exception as exc:  # the rule files run code through exec; an odd log can make it raise
+        checker.put_message(f"the checker raised {type(exc).__name__}: {exc}")
+        passed = False
+    return CheckerVerdict(passed, dict(checker.overwritable), list(checker.not_overwritable),
+                          list(checker.warnings.values()))
+
+
+def rcp_check(folder: Path, usage: str, ruleset: str) -> tuple[bool, str, float]:
+    """The RCP checker on a folder of result_<i>.txt logs: (passed, message, speed-up factor)."""
+    from mlperf_logging.rcp_checker import rcp_checker
+
+    return rcp_checker.check_directory(str(folder), usage, ruleset, False, False, rcp_pass="pruned_rcps")
+
+
+def rcp_batch_sizes(usage: str, ruleset: str, benchmark: str) -> list[int]:
+    from mlperf_logging.rcp_checker import rcp_checker
+
+    path = Path(rcp_checker.__file__).parent / f"{usage}_{ruleset}" / f"rcps_{benchmark}.json"
+    return sorted(record["BS"] for record in json.loads(path.read_text()).values())
