@@ -200,7 +200,8 @@ class SlurmConfig:
     job_name: str = "flux-train"
     # submitit's folder (pickles, per-node logs); %j is the job id; must be visible from every node
     folder: str = "runs/submitit/%j"
-    # Slurm sends USR2 this long before the time limit: one step + a checkpoint save + slack
+    # Slurm sends USR2 this long before the time limit: logging.log_every steps (workers act at the next logging
+    # step) + a checkpoint save + slack (flux_train/preemption.py)
     signal_delay_s: int = 120
     # the job requeues itself at most this many times (preemptions and time limits alike)
     max_requeue: int = 10

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 
 from flux_train.config import Config, ConfigError
-from flux_train.launch import REQUEUE_FLAG_ENV
+from flux_train.preemption import REQUEUE_FLAG_ENV
 
 # docker/podman start from the image's environment: what the agent needs from Slurm's and the site's
 PASSTHROUGH = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_PROCID",

@@ -10,10 +10,9 @@ optionally run slurm/runtime_tunables.sh, then start one worker per GPU with tor
 `python -m flux_train.worker` (the trainer). A failed worker ends this node with its rank, host and cause
 in the log; srun's --kill-on-bad-exit then ends the other nodes.
 
-Preemption and time limits: Slurm sends USR2 to this agent, which passes it on to its workers; they save
-a checkpoint and exit with PREEMPTED_EXIT_CODE; the agent then creates the flag file named by
-$FLUX_REQUEUE_FLAG, which the batch script's teardown turns into `scontrol requeue` on the host (so no
-Slurm client is needed in the container). The requeued job resumes with checkpoint.resume=auto. SIGTERM
+Preemption and time limits (the contract: flux_train.preemption): Slurm's warning signal reaches this agent,
+which passes it on to its workers; they save a checkpoint and exit with preemption.EXIT_CODE; the agent then
+creates the flag file that the batch script's teardown turns into `scontrol requeue` on the host. SIGTERM
 (scancel, the end of the time limit) goes on to the workers as well, and the agent exits with 143.
 """
 from __future__ import annotations
@@ -34,12 +33,12 @@ from pathlib import Path
 import yaml
 
 from flux_train.config import Config, ConfigError, load_config, validate
+from flux_train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+from flux_train.preemption import REQUEUE_FLAG_ENV, SIGNAL
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = REPO / "slurm" / "env"
 TUNABLES = REPO / "slurm" / "runtime_tunables.sh"
-REQUEUE_FLAG_ENV = "FLUX_REQUEUE_FLAG"
-PREEMPTED_EXIT_CODE = 75  # flux_train.train.EXIT_PREEMPTED: saved a checkpoint on USR2, then stopped
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 
@@ -198,7 +197,7 @@ class SignalRelay:
     back, except USR2's, which is ignored from then on: a late USR2 must not reach submitit's handler and
     requeue a finished job."""
 
-    SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+    SIGNALS = (SIGNAL, signal.SIGTERM)
 
     def __init__(self, node: Node):
         self.node = node
@@ -218,7 +217,7 @@ class SignalRelay:
 
     def __exit__(self, *exc) -> None:
         for signum, previous in self._previous.items():
-            signal.signal(signum, signal.SIG_IGN if signum == signal.SIGUSR2 else previous)
+            signal.signal(signum, signal.SIG_IGN if signum == SIGNAL else previous)
         signal.set_wakeup_fd(self._previous_wakeup)
         os.close(self._write)  # the thread reads end-of-file and stops
         self._thread.join()
@@ -243,7 +242,7 @@ class SignalRelay:
                     self.received.add(signum)
             for signum, pids in sent.items():
                 for pid in _children(os.getpid()):
-                    if pid not in pids and (signum != signal.SIGUSR2 or _catches(pid, signum)):
+                    if pid not in pids and (signum != SIGNAL or _catches(pid, signum)):
                         try:
                             os.kill(pid, signum)
                         except ProcessLookupError:
@@ -255,7 +254,7 @@ def _wake_only(signum, frame) -> None:
     """A Python-level handler, so that CPython's own handler runs and writes to the wake-up pipe."""
 
 
-WHY = {signal.SIGUSR2: "preemption or time limit", signal.SIGTERM: "the job is ending"}
+WHY = {SIGNAL: "preemption or time limit", signal.SIGTERM: "the job is ending"}
 
 
 # ---------------------------------------------------------------------------------------------------

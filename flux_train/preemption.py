@@ -12,8 +12,7 @@ comes back.
    client is; a container needs none) finds that file and runs `scontrol requeue`. The requeued job resumes
    from the latest checkpoint (checkpoint.resume=auto).
 
-So the lead time must cover up to log_every steps, one checkpoint save, and slack: `lead_time_advice` says
-so once the trainer has measured both.
+So the lead time must cover up to log_every steps, one checkpoint save, and slack.
 """
 from __future__ import annotations
 
@@ -39,17 +38,6 @@ def teardown() -> list[str]:
     """The batch script's lines after srun: srun's exit status stays the job's."""
     return [f"source {shlex.quote(str(REQUEUE_SCRIPT))}"]
 
-
-def lead_time_advice(signal_delay_s: int, log_every: int, step_s: float, save_s: float) -> str | None:
-    """A warning when the signal may come too late for a checkpoint: the stop waits for the next logging
-    boundary (up to log_every steps), then saves."""
-    needed = log_every * step_s + save_s
-    if needed <= 0.8 * signal_delay_s:
-        return None
-    return (f"slurm.signal_delay_s={signal_delay_s} may be too short to save a checkpoint before the time limit: "
-            f"a stop waits for the next logging boundary (up to logging.log_every={log_every} steps x "
-            f"{step_s:.1f} s) and then saves ({save_s:.0f} s): set slurm.signal_delay_s to at least "
-            f"{int(needed * 1.25) + 1}, or lower logging.log_every")
 
 
 @reports_user_errors

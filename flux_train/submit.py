@@ -9,8 +9,8 @@ Every flag overrides the system config's value. submitit submits one Slurm task 
 in the container (flux_train.container: pyxis flags on the srun line; apptainer/docker/podman as the command
 srun runs, after a step in which every node checks its engine, image and mounts), and there
 flux_train.launch.NodeAgent starts the node's workers. The resolved config travels in the job's
-pickle. Requeue: the batch script exports $FLUX_REQUEUE_FLAG; the agent creates that file after its workers
-checkpointed on Slurm's USR2, and the script's teardown runs `scontrol requeue` on the host.
+pickle. Preemption and requeue follow flux_train.preemption: submitit's `--signal` from slurm.signal_delay_s,
+the requeue flag file exported by the script's setup, its teardown sourced from slurm/requeue.sh.
 """
 from __future__ import annotations
 
@@ -28,16 +28,10 @@ import yaml
 
 from flux_train import container
 from flux_train.config import CONFIG_DIR, Config, ConfigError, ContainerConfig, load_config, validate
-from flux_train.launch import REQUEUE_FLAG_ENV, NodeAgent
+from flux_train import preemption
+from flux_train.launch import NodeAgent
 
 RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
-# srun's exit status stays the job's; a flag left by an agent turns into a requeue from the host
-TEARDOWN = [
-    "flux_rc=$?",
-    f'if [ -f "${REQUEUE_FLAG_ENV}" ]; then rm -f "${REQUEUE_FLAG_ENV}"; '
-    'echo "flux-train: requeueing job $SLURM_JOB_ID"; scontrol requeue "$SLURM_JOB_ID"; fi',
-    "exit $flux_rc",
-]
 
 
 class SubmitError(Exception):
@@ -61,10 +55,10 @@ def sbatch_parameters(cfg: Config, folder: str, srun_container_args: list[str]) 
         "job_name": s.job_name,
         "mem": f"{s.mem_gb}G" if s.mem_gb else "0",
         "signal_delay_s": s.signal_delay_s,
-        "setup": [f"export {REQUEUE_FLAG_ENV}={shell_job_path(folder, 'requeue.flag')}",
+        "setup": [f"export {preemption.REQUEUE_FLAG_ENV}={shell_job_path(folder, 'requeue.flag')}",
                   *(["# every node checks its container engine, image and mounts; each names itself on failure",
                      f"srun --ntasks-per-node=1 {shlex.join(check)} || exit 1"] if check else [])],
-        "teardown": TEARDOWN,
+        "teardown": preemption.teardown(),
         # one dead node agent ends the job; Slurm 22.05-23.02 srun does not inherit --cpus-per-task
         "srun_args": ["--kill-on-bad-exit=1", *([f"--cpus-per-task={s.cpus_per_task}"] if s.cpus_per_task else []),
                       *srun_container_args],

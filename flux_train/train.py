@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from flux_train import checkpoint, flow, preflight
+from flux_train import checkpoint, flow, preemption, preflight
 from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
 from flux_train.data import DataError, build_data, synthetic_samples
 from flux_train.diffusers_adapter import load_pretrained
@@ -38,7 +38,6 @@ from flux_train.sample import Sampler, gathered_weights
 # blocks return slices of their joint sequence; we never modify them in place, which this FSDP2 warning is about
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved a checkpoint on Slurm's warning signal; the launcher requeues
 EXIT_DIVERGED = 3  # a non-finite loss or gradient norm stopped the run
 EXIT_COLLECTIVE = 4  # a collective failed or timed out (parallel.timeout_s); the message names the stragglers
 
@@ -305,12 +304,11 @@ class Trainer:
             write_report(self.out_dir, self.cfg.train.global_batch_size, self.cfg.eval.target)
 
     def _install_stop_signal(self) -> None:
-        # Slurm's warning signal (submitit uses USR2) asks for a checkpoint at the next agreed step boundary
+        # Slurm's warning signal asks for a checkpoint at the next logging boundary (flux_train.preemption)
         def handler(signum, frame):
             self.stop_requested = True
 
-        if hasattr(signal, "SIGUSR2"):
-            signal.signal(signal.SIGUSR2, handler)
+        signal.signal(preemption.SIGNAL, handler)
 
     def _say(self, text: str) -> None:
         if self.dist.is_main:
@@ -431,7 +429,7 @@ def main(argv=None) -> int:
         if trainer is not None:
             trainer.heartbeat.stop()
         shutdown()
-    return {Status.PREEMPTED: EXIT_PREEMPTED, Status.DIVERGED: EXIT_DIVERGED}.get(status, 0)
+    return {Status.PREEMPTED: preemption.EXIT_CODE, Status.DIVERGED: EXIT_DIVERGED}.get(status, 0)
 
 
 if __name__ == "__main__":

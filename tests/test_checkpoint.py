@@ -11,7 +11,7 @@ import torch
 from flux_train import checkpoint
 from flux_train.config import load_config
 from flux_train.results import read_events
-from flux_train.train import EXIT_PREEMPTED
+from flux_train.preemption import EXIT_CODE as EXIT_PREEMPTED
 
 COMMON = ["--set", "data.source=synthetic", "--set", "eval.enabled=false", "--set", "logging.log_every=1", "--set", "train.warmup_steps=3",
           "--set", "train.caption_dropout_prob=0.1"]

@@ -75,12 +75,6 @@ def test_node_from_slurm(monkeypatch):
     assert local.count == 1
 
 
-def test_preempted_exit_code_is_the_trainers():
-    from flux_train.train import EXIT_PREEMPTED
-
-    assert launch.PREEMPTED_EXIT_CODE == EXIT_PREEMPTED
-
-
 CHILD = """
 import signal, sys, time
 from pathlib import Path

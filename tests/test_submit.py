@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flux_train import container
+from flux_train import container, preemption
 from flux_train import submit as sub
 
 SYSTEM = "configs/systems/cpu_02x02.yaml"
@@ -62,7 +62,34 @@ def test_sbatch_script_one_task_per_node_with_requeue(capsys, tmp_path):
     assert "--kill-on-bad-exit=1" in argv and "--cpus-per-task=16" in argv
     assert program(argv) == [sys.executable, "-u", "-m", "submitit.core._submit", f"{tmp_path}/sub/%j"]
     assert f"export FLUX_REQUEUE_FLAG={tmp_path}/sub/${{SLURM_JOB_ID}}/requeue.flag" in script
-    assert 'scontrol requeue "$SLURM_JOB_ID"' in script.split("# teardown", 1)[1]
+    assert script.split("# teardown", 1)[1].strip().splitlines() == preemption.teardown()
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+def test_the_teardown_requeues_only_a_flagged_job_and_keeps_sruns_status(tmp_path, flagged):
+    """The teardown lines of both batch scripts (submitit's and slurm/flux.sbatch) after an srun that exited 7:
+    with the agent's flag a requeue through scontrol (a recording stand-in here), the flag gone; without, none."""
+    _fake_command(tmp_path / "bin", "scontrol", tmp_path / "scontrol.json")
+    flag = tmp_path / "requeue.flag"
+    if flagged:
+        flag.touch()
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
+           "FLUX_REQUEUE_FLAG": str(flag)}
+    done = subprocess.run(["bash", "-c", "\n".join(["(exit 7)", *preemption.teardown()])], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 7 and not flag.exists()
+    if flagged:
+        assert json.loads((tmp_path / "scontrol.json").read_text()) == ["requeue", "42"]
+        assert "flux-train: requeueing job 42" in done.stdout
+    else:
+        assert not (tmp_path / "scontrol.json").exists() and done.stdout == ""
+    assert 'source "$requeue_script"' in (Path(preemption.REQUEUE_SCRIPT).parent / "flux.sbatch").read_text()
+
+
+def test_the_plain_sbatch_options_come_from_the_config():
+    done = subprocess.run([sys.executable, "-m", "flux_train.preemption", "--config", SYSTEM,
+                           "--set", "slurm.signal_delay_s=90"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["--requeue", "--signal=USR2@90"]
 
 
 def test_pyxis(capsys, tmp_path):
@@ -173,12 +200,12 @@ def test_each_node_checks_its_container_before_starting_it(capsys, tmp_path, run
     assert trial == program(argv)[:-4] + ["-c", "import flux_train, submitit"]
 
 
-def _fake_srun(bin_dir: Path, record: Path) -> None:
-    """A stand-in `srun` that only records its argv (no Slurm, no container engine runs here)."""
+def _fake_command(bin_dir: Path, name: str, record: Path) -> None:
+    """A stand-in Slurm command (srun, scontrol) that only records its argv: no Slurm, no container engine here."""
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text(f"#!{sys.executable}\nimport json, sys\n"
-                                  f"open({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
-    (bin_dir / "srun").chmod(0o755)
+    (bin_dir / name).write_text(f"#!{sys.executable}\nimport json, sys\n"
+                                f"open({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    (bin_dir / name).chmod(0o755)
 
 
 @pytest.mark.parametrize("runtime", ["pyxis", "docker"])
@@ -194,7 +221,7 @@ def test_hostile_config_strings_stay_inert(capsys, tmp_path, runtime):
     assert sbatch_flags(script)["--job-name"] == evil
     # run the script's setup and command lines with a recording srun in place of Slurm's
     record = tmp_path / "argv.json"
-    _fake_srun(tmp_path / "bin", record)
+    _fake_command(tmp_path / "bin", "srun", record)
     body = script.split("# setup\n", 1)[1].split("# teardown", 1)[0]
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
     done = subprocess.run(["bash", "-c", body + '\necho "flag=$FLUX_REQUEUE_FLAG"'], env=env, capture_output=True,
