@@ -13,12 +13,12 @@ import torch
 from megatron.energon import (Cooker, CrudeSample, DefaultTaskEncoder, WorkerConfig, basic_sample_keys,
                               get_loader, get_savable_loader, get_train_dataset, get_val_dataset, stateless)
 from megatron.energon.errors import reraise_exception
-from megatron.energon.flavors.webdataset.sharder import Sharder
 
 from dataprep.format import (METADATA, PARTS, DatasetInfo, FormatError, decode_bf16, load_empty_encodings, read_info,
                              sample_meta, sample_where)
 from flux_train.config import Config, ConfigError, DataConfig, ModelConfig
 from flux_train.data import DataError, DataSource, TrainStream
+from flux_train.private_apis import split_samples_to_workers
 
 # energon's loaders always ask for page-locked memory; on a host without a GPU torch warns that there is none
 warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found")
@@ -107,9 +107,8 @@ def val_counts(total: int, world: int, num_workers: int) -> list[int]:
     """Val samples per rank as energon splits them: contiguous slices over world x max(1, num_workers)
     global workers. One rank holding all the global workers yields every rank's boundaries at once."""
     workers = max(1, num_workers)
-    offsets = Sharder.split_samples_to_workers(0, total, WorkerConfig(rank=0, world_size=1,
-                                                                      num_workers=world * workers))
-    return [int(offsets[(r + 1) * workers] - offsets[r * workers]) for r in range(world)]
+    offsets = split_samples_to_workers(total, world * workers)
+    return [offsets[(r + 1) * workers] - offsets[r * workers] for r in range(world)]
 
 
 class EnergonVal:

@@ -22,15 +22,14 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 from mlperf_logging.benchmark_meta import get_result_file_counts
-from mlperf_logging.compliance_checker import mlp_compliance
-from mlperf_logging.rcp_checker import rcp_checker
 
 from flux_train.config import TARGET_VAL_LOSS
 from flux_train.errors import UserError, reports_user_errors
+from flux_train.private_apis import compliance_check, rcp_batch_sizes, rcp_check
 from flux_train.report import draw_val_loss
 
-USAGE, RULESET = "training", "6.0.0"
-RUNS_PER_SCORE = get_result_file_counts(USAGE)["flux1"]  # 10
+USAGE, RULESET, BENCHMARK = "training", "6.0.0", "flux1"
+RUNS_PER_SCORE = get_result_file_counts(USAGE)[BENCHMARK]  # 10
 NOT_CONVERGED = 1e9  # samples the RCP checker counts for a run that did not succeed
 MLLOG_FILE = "mllog.log"
 TOKEN = ":::MLLOG"
@@ -167,19 +166,13 @@ def _fill(run: Run, events: list[dict]) -> None:
 
 def check_compliance(log: Path) -> Compliance:
     """The official compliance checker, in-process so that its failures stay keyed by log key."""
-    checker = mlp_compliance.make_checker(USAGE, RULESET, quiet=False, werror=False)
-    mlp_compliance.enqueued_configs.clear()  # a module-level queue: a check that raised may have left configs in it
     with _captured_log():
-        try:
-            passed = checker.check_file(str(log), f"{USAGE}_{RULESET}/common.yaml")
-        except Exception as exc:  # the rule files run code through exec; an odd log can make it raise
-            checker.put_message(f"the checker raised {type(exc).__name__}: {exc}")
-            passed = False
-    keyed = [f"{key}: {_brief(msg)}" for key, msg in checker.overwritable.items()]
-    unkeyed = [_brief(msg) for msg in checker.not_overwritable]
+        verdict = compliance_check(log, USAGE, RULESET)
+    keyed = [f"{key}: {_brief(msg)}" for key, msg in verdict.by_key.items()]
+    unkeyed = [_brief(msg) for msg in verdict.unkeyed]
     named = {key for msg in unkeyed for key in _keys_named(msg)}
-    return Compliance(passed, sorted(set(checker.overwritable) | named), keyed + unkeyed,
-                      [_brief(m) for m in checker.warnings.values()])
+    return Compliance(verdict.passed, sorted(set(verdict.by_key) | named), keyed + unkeyed,
+                      [_brief(m) for m in verdict.warnings])
 
 
 def _keys_named(message: str) -> list[str]:
@@ -261,21 +254,16 @@ def check_rcp(runs: list[Run]) -> Rcp:
         for i, log in enumerate(logs):
             shutil.copy(log, Path(tmp) / f"result_{i}.txt")
         try:
-            passed, message, factor = rcp_checker.check_directory(tmp, USAGE, RULESET, False, False,
-                                                                  rcp_pass="pruned_rcps")
+            passed, message, factor = rcp_check(Path(tmp), USAGE, RULESET)
         except Exception as exc:  # e.g. no submission_benchmark, or an eval_accuracy without samples_count
             return Rcp("error", f"the checker raised {type(exc).__name__}: {exc}", notes=notes)
     notes += list(dict.fromkeys(captured.lines))  # its warnings, e.g. "Batch sizes in files do not match."
     if message.startswith("Missing RCP"):
-        notes.append(f"flux1 {RULESET} has RCPs for GBS {', '.join(map(str, _rcp_batch_sizes()))}: a smaller GBS is "
+        sizes = ", ".join(map(str, rcp_batch_sizes(USAGE, RULESET, BENCHMARK)))
+        notes.append(f"{BENCHMARK} {RULESET} has RCPs for GBS {sizes}: a smaller GBS is "
                      f"judged against the smallest (debug runs cannot pass), a larger one needs new RCPs")
     # the factor only applies to a passing set (a mean within the allowed speed-up of the RCP)
     return Rcp("passed" if passed else "failed", message, float(factor) if passed else None, notes)
-
-
-def _rcp_batch_sizes() -> list[int]:
-    path = Path(rcp_checker.__file__).parent / f"{USAGE}_{RULESET}" / "rcps_flux1.json"
-    return sorted(record["BS"] for record in json.loads(path.read_text()).values())
 
 
 def plot_val_loss(runs: list[Run], path: Path) -> None:

@@ -30,6 +30,7 @@ from flux_train import container
 from flux_train.config import CONFIG_DIR, Config, ConfigError, ContainerConfig, load_config, validate
 from flux_train import preemption
 from flux_train.launch import NodeAgent
+from flux_train.private_apis import sbatch_script
 
 RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
 
@@ -174,14 +175,12 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
 
 def dry_run(cfg: Config) -> None:
-    from submitit.slurm.slurm import _make_sbatch_string  # private: submitit is pinned <1.6
-
     from flux_train.launch import Node, local_dir_for, wanted_env, worker_args
 
     folder = os.path.abspath(cfg.slurm.folder)
     srun_args, python = container.command(cfg)
     command_line = f"{shlex.join(python)} -u -m submitit.core._submit {shlex.quote(folder)}"
-    script = _make_sbatch_string(command=command_line, folder=folder, **sbatch_parameters(cfg, folder, srun_args))
+    script = sbatch_script(command_line, folder, **sbatch_parameters(cfg, folder, srun_args))
     srun_line = next(line for line in script.splitlines() if line.startswith("srun --unbuffered "))
     node = Node("%j", 0, cfg.slurm.nodes, "<node>", "<first host>", 0)
     local_dir = local_dir_for(cfg, node)
