@@ -206,6 +206,8 @@ class SlurmConfig:
     # the job requeues itself at most this many times (preemptions and time limits alike)
     max_requeue: int = 10
     exclusive: bool = True
+    # nodes Slurm must not use, in Slurm's hostlist syntax (n[3,7]): the pre-flight names the ones that fail
+    exclude: str = ""
     # extra `#SBATCH --key=value` lines (value true = a bare flag)
     additional: dict[str, str] = field(default_factory=dict)
 

@@ -18,6 +18,12 @@ from pathlib import Path
 INTERVAL_S = 2.0
 
 
+
+def node_name() -> str:
+    """This node as Slurm names it (what `submit --exclude` takes), else its hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 @dataclass(frozen=True)
 class Beat:
     rank: int
@@ -31,7 +37,7 @@ class Heartbeat:
     def __init__(self, folder: Path, rank: int, interval_s: float = INTERVAL_S):
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"rank_{rank:05d}"
-        self.host = socket.gethostname()
+        self.host = node_name()
         self.state = (0, "init")
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(interval_s,), name="flux-heartbeat", daemon=True)

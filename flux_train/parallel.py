@@ -10,6 +10,8 @@ import datetime
 import gc
 import os
 from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch import nn

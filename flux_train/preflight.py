@@ -10,8 +10,8 @@ with one line per bad node naming the host, the reason and how to leave the node
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from flux_train.config import Config, load_config
 from flux_train.errors import UserError, reports_user_errors
+from flux_train.heartbeat import node_name
 
 # a worker's own CUDA context and allocator reserve; more in use before the run allocates means another process
 IDLE_GPU_USED_GIB = 4.0
@@ -87,7 +88,7 @@ def bus_bandwidth(device: torch.device, size_mb: int, iters: int = 5) -> tuple[f
 
 def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) -> float:
     """Collective over all ranks; returns the measured bus bandwidth or raises PreflightError."""
-    host = socket.gethostname()
+    host = node_name()
     mine = node_problems(cfg, device, gpus_per_node) if local_rank == 0 else []
     busbw, seconds = bus_bandwidth(device, cfg.preflight.probe_mb) if dist.get_world_size() > 1 else (0.0, 0.0)
     floor = cfg.preflight.min_bus_bandwidth_gbps
@@ -111,8 +112,6 @@ def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) 
 
 @reports_user_errors
 def main(argv=None) -> int:
-    import os
-
     from flux_train.parallel import init_distributed, shutdown
 
     ap = argparse.ArgumentParser(prog="python -m flux_train.preflight", description=__doc__.splitlines()[0])

@@ -2,19 +2,25 @@
 
     python -m flux_train.submit --config configs/systems/H200_08x08.yaml [--nodes 8] [--set section.key=value]
         [--gpus-per-node 8] [--partition P] [--account A] [--qos Q] [--time 4:00:00] [--job-name NAME]
-        [--runtime pyxis|apptainer|docker|podman|none] [--container-image IMAGE] [--mounts SRC[:DST[:ro]],...]
-        [--dry-run | --local]
+        [--exclude HOSTS] [--runtime pyxis|apptainer|docker|podman|none] [--container-image IMAGE]
+        [--mounts SRC[:DST[:ro]],...] [--runs N] [--skip-preflight] [--dry-run | --local]
 
 Every flag overrides the system config's value. submitit submits one Slurm task per node; srun starts it
 in the container (flux_train.container: pyxis flags on the srun line; apptainer/docker/podman as the command
 srun runs, after a step in which every node checks its engine, image and mounts), and there
 flux_train.launch.NodeAgent starts the node's workers. The resolved config travels in the job's
-pickle. Preemption and requeue follow flux_train.preemption: submitit's `--signal` from slurm.signal_delay_s,
+pickle. A Slurm run starts with the pre-flight checks (flux_train.preflight) unless --skip-preflight.
+
+`--runs N` is a campaign: N independent runs as one Slurm job array (they may run side by side where the
+cluster has room, and each requeues on its own; a dependency chain would serialise them for nothing), run i in
+<logging.out_dir>/run_<i> with seed train.seed + i; `python -m flux_train.results <logging.out_dir>` scores them.
+Preemption and requeue follow flux_train.preemption: submitit's `--signal` from slurm.signal_delay_s,
 the requeue flag file exported by the script's setup, its teardown sourced from slurm/requeue.sh.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import shlex
@@ -39,9 +45,30 @@ class SubmitError(Exception):
     """Bad input; the message names it and the fix."""
 
 
+# submitit's name for a job: <array job>_<task> in a job array, else Slurm's job id
+JOB_ID_SHELL = "${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
+
+
 def shell_job_path(folder: str, name: str) -> str:
-    """A shell word for <folder>/<name> with %j expanded from $SLURM_JOB_ID, everything else quoted."""
-    return "${SLURM_JOB_ID}".join(shlex.quote(part) for part in os.path.join(folder, name).split("%j"))
+    """A shell word for <folder>/<name> with %j expanded as submitit expands it, everything else quoted."""
+    return "${FLUX_JOB_ID}".join(shlex.quote(part) for part in os.path.join(folder, name).split("%j"))
+
+
+def campaign(cfg: Config, runs: int) -> list[Config]:
+    """One config per run: run i in <logging.out_dir>/run_<i> (its checkpoints in its own folder too), seed
+    train.seed + i. A single run stays as configured."""
+    if runs == 1:
+        return [cfg]
+    width = len(str(runs - 1))
+    configs = []
+    for i in range(runs):
+        run = copy.deepcopy(cfg)
+        run.train.seed = cfg.train.seed + i
+        run.logging.out_dir = os.path.join(cfg.logging.out_dir, f"run_{i:0{width}d}")
+        if cfg.checkpoint.dir:
+            run.checkpoint.dir = os.path.join(cfg.checkpoint.dir, f"run_{i:0{width}d}")
+        configs.append(run)
+    return configs
 
 
 def sbatch_parameters(cfg: Config, folder: str, srun_container_args: list[str]) -> dict:
@@ -56,7 +83,8 @@ def sbatch_parameters(cfg: Config, folder: str, srun_container_args: list[str]) 
         "job_name": s.job_name,
         "mem": f"{s.mem_gb}G" if s.mem_gb else "0",
         "signal_delay_s": s.signal_delay_s,
-        "setup": [f"export {preemption.REQUEUE_FLAG_ENV}={shell_job_path(folder, 'requeue.flag')}",
+        "setup": [f'FLUX_JOB_ID="{JOB_ID_SHELL}"', 'FLUX_JOB_ID="${FLUX_JOB_ID:-$SLURM_JOB_ID}"',
+                  f"export {preemption.REQUEUE_FLAG_ENV}={shell_job_path(folder, 'requeue.flag')}",
                   *(["# every node checks its container engine, image and mounts; each names itself on failure",
                      f"srun --ntasks-per-node=1 {shlex.join(check)} || exit 1"] if check else [])],
         "teardown": preemption.teardown(),
@@ -66,7 +94,7 @@ def sbatch_parameters(cfg: Config, folder: str, srun_container_args: list[str]) 
         "additional_parameters": {"requeue": True,
                                   **{k: True if v.lower() == "true" else v for k, v in s.additional.items()}},
     }
-    for key in ("partition", "account", "qos"):
+    for key in ("partition", "account", "qos", "exclude"):
         if getattr(s, key):
             params[key] = getattr(s, key)
     if s.cpus_per_task:
@@ -129,6 +157,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qos", help="slurm.qos")
     p.add_argument("--time", type=time_minutes, help="slurm.time_min, as minutes or [D-]H:MM:SS")
     p.add_argument("--job-name", help="slurm.job_name")
+    p.add_argument("--exclude", metavar="HOSTS", help="slurm.exclude: nodes Slurm must not use, e.g. a node the "
+                   "pre-flight named (Slurm's hostlist syntax: n[3,7])")
+    p.add_argument("--runs", type=positive_int, default=1,
+                   help="a campaign of N runs (a job array): seeds train.seed+i, folders <logging.out_dir>/run_<i>")
+    p.add_argument("--skip-preflight", action="store_true",
+                   help="start training without the per-node checks and the bandwidth probe (preflight.enabled)")
     p.add_argument("--runtime", choices=RUNTIMES, help="container.runtime")
     p.add_argument("--container-image", help="container.image")
     p.add_argument("--mounts", type=lambda text: [m for m in text.split(",") if m],
@@ -141,6 +175,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 FLAGS = {"nodes": "slurm.nodes", "gpus_per_node": "slurm.gpus_per_node", "partition": "slurm.partition",
          "account": "slurm.account", "qos": "slurm.qos", "time": "slurm.time_min", "job_name": "slurm.job_name",
+         "exclude": "slurm.exclude",
          "runtime": "container.runtime", "container_image": "container.image", "mounts": "container.mounts"}
 
 
@@ -152,6 +187,10 @@ def resolve_config(args: argparse.Namespace) -> Config:
         if value is not None:
             section, key = dotted.split(".")
             setattr(getattr(cfg, section), key, value)
+    if args.skip_preflight:
+        cfg.preflight.enabled = False
+    elif not args.local:
+        cfg.preflight.enabled = True  # a Slurm run checks its nodes before the clock starts
     validate(cfg, world_size=cfg.slurm.nodes * cfg.slurm.gpus_per_node)
     s, c = cfg.slurm, cfg.container
     if not 0 < s.signal_delay_s < s.time_min * 60:
@@ -174,13 +213,14 @@ def resolve_config(args: argparse.Namespace) -> Config:
 # the three ways out
 
 
-def dry_run(cfg: Config) -> None:
+def dry_run(cfg: Config, runs: int) -> None:
     from flux_train.launch import Node, local_dir_for, wanted_env, worker_args
 
     folder = os.path.abspath(cfg.slurm.folder)
     srun_args, python = container.command(cfg)
     command_line = f"{shlex.join(python)} -u -m submitit.core._submit {shlex.quote(folder)}"
-    script = sbatch_script(command_line, folder, **sbatch_parameters(cfg, folder, srun_args))
+    array = {"map_count": runs} if runs > 1 else {}
+    script = sbatch_script(command_line, folder, **sbatch_parameters(cfg, folder, srun_args), **array)
     srun_line = next(line for line in script.splitlines() if line.startswith("srun --unbuffered "))
     node = Node("%j", 0, cfg.slurm.nodes, "<node>", "<first host>", 0)
     local_dir = local_dir_for(cfg, node)
@@ -194,10 +234,24 @@ def dry_run(cfg: Config) -> None:
     print(f"# ---- and {cfg.slurm.gpus_per_node} workers per node x {cfg.slurm.nodes} nodes, torch elastic "
           f"launch with static rendezvous on the first host, each running ----")
     print("  " + shlex.join(["python", *worker_args(local_dir / "config.yaml")]))
+    if runs > 1:
+        print(f"# ---- a campaign of {runs} runs: one array task each ----")
+        for i, run in enumerate(campaign(cfg, runs)):
+            print(f"  task {i}: train.seed={run.train.seed} logging.out_dir={run.logging.out_dir}")
+        print(f"# ---- then: python -m flux_train.results {shlex.quote(cfg.logging.out_dir)}")
 
 
-def run_local(cfg: Config) -> int:
-    """The per-node agent on this machine (in the container when one is configured), in the foreground."""
+def run_local(cfg: Config, runs: int) -> int:
+    """The per-node agent on this machine (in the container when one is configured), in the foreground; a
+    campaign's runs one after the other."""
+    for run in campaign(cfg, runs):
+        code = run_one_local(run)
+        if code:
+            return code
+    return 0
+
+
+def run_one_local(cfg: Config) -> int:
     run_dir = Path(cfg.slurm.folder.replace("%j", f"local-{os.getpid()}")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
@@ -211,7 +265,7 @@ def run_local(cfg: Config) -> int:
     return subprocess.call(argv)
 
 
-def submit(cfg: Config) -> None:
+def submit(cfg: Config, runs: int) -> None:
     import submitit
 
     if shutil.which("sbatch") is None or shutil.which("srun") is None:
@@ -223,17 +277,22 @@ def submit(cfg: Config) -> None:
     executor = submitit.SlurmExecutor(folder=folder, python=shlex.join(python))
     executor.update_parameters(**sbatch_parameters(cfg, folder, srun_args))
     try:
-        job = executor.submit(NodeAgent(cfg))
+        with executor.batch():  # more than one job: a job array
+            jobs = [executor.submit(NodeAgent(run)) for run in campaign(cfg, runs)]
     except submitit.core.utils.FailedJobError as exc:
         # submitit has printed sbatch's own message above
         raise SubmitError("sbatch refused the job: check --partition, --account, --qos, --time and "
                           f"--gpus-per-node against the cluster ({type(exc).__name__})") from None
-    logs = job.paths.stdout.parent
-    print(f"submitted job {job.job_id}: {cfg.slurm.nodes} nodes x {cfg.slurm.gpus_per_node} GPUs, "
+    job = jobs[0]
+    whole = job.job_id.split("_")[0]
+    what = f"job {job.job_id}" if runs == 1 else f"job array {whole} ({runs} runs, tasks {whole}_0..{whole}_{runs - 1})"
+    print(f"submitted {what}: {cfg.slurm.nodes} nodes x {cfg.slurm.gpus_per_node} GPUs, "
           f"container {cfg.container.runtime}")
-    print(f"log folder: {logs} (one <job>_<node>_log.out/.err per node)")
+    print(f"log folder: {job.paths.stdout.parent} (one <job>_<node>_log.out/.err per node)")
     print(f"follow:     tail -F {shlex.quote(str(job.paths.stdout))} {shlex.quote(str(job.paths.stderr))}")
-    print(f"status:     squeue -j {job.job_id}    cancel: scancel {job.job_id}")
+    print(f"status:     squeue -j {whole}    cancel: scancel {whole}")
+    if runs > 1:
+        print(f"results:    python -m flux_train.results {shlex.quote(cfg.logging.out_dir)} (when all runs have ended)")
 
 
 def main(argv=None) -> int:
@@ -241,11 +300,11 @@ def main(argv=None) -> int:
     try:
         cfg = resolve_config(args)
         if args.dry_run:
-            dry_run(cfg)
+            dry_run(cfg, args.runs)
         elif args.local:
-            return run_local(cfg)
+            return run_local(cfg, args.runs)
         else:
-            submit(cfg)
+            submit(cfg, args.runs)
     except (ConfigError, SubmitError) as exc:
         print(f"python -m flux_train.submit: error: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,7 @@
 """A real two-node Slurm on loopback for the launcher tests: slurmctld and two slurmd daemons as nodes n1 and
-n2 on 127.0.0.1, auth/none, 4 fake GPUs (gres files) per node, and the fast requeue settings. Where slurmctld
+n2 on 127.0.0.1, auth/none, 4 fake GPUs (gres files) per node, and the fast requeue settings. What node n2
+cannot see: `cluster.not_on_n2`, a folder that n2's daemon (and so every job process on n2) sees empty, as a
+node that lacks a mount would (a tmpfs over it in n2's mount namespace). Where slurmctld
 is not installed the tests skip, except in CI (.ci/run installs Debian's packages), where they fail.
 
 The machine is left as it was found, also when the run is interrupted: the daemons see an /etc/hosts where
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -52,6 +55,7 @@ class SlurmCluster:
         self.env = {**{k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")},
                     "SLURM_CONF": str(self.conf)}
         self.procs: list[subprocess.Popen] = []
+        self.not_on_n2 = root / "not-on-n2"
 
     def _write_config(self) -> None:
         r, host = self.root, socket.gethostname().split(".")[0]
@@ -79,12 +83,14 @@ class SlurmCluster:
         lines.append(f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
 
-    def _daemon(self, *argv: str, log: str) -> None:
-        # in a private mount namespace with our hosts file over /etc/hosts; killed when the test process dies
+    def _daemon(self, *argv: str, log: str, hide: Path | None = None) -> None:
+        # in a private mount namespace with our hosts file over /etc/hosts (and an empty tmpfs over `hide`);
+        # killed when the test process dies
         hosts = self.root / "hosts"
         hosts.write_text(HOSTS.read_text().rstrip("\n") + f"\n127.0.0.1 {' '.join(NODES)}\n")
+        hiding = f'mount -t tmpfs none {shlex.quote(str(hide))} && ' if hide else ""
         wrapped = ["unshare", "--mount", "--propagation", "private", "bash", "-c",
-                   'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *argv]
+                   f'mount --bind "$0" /etc/hosts && {hiding}exec "$@"', str(hosts), *argv]
         with open(self.root / "log" / log, "w") as out:
             self.procs.append(subprocess.Popen(wrapped, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                                preexec_fn=_die_with_parent))
@@ -93,8 +99,10 @@ class SlurmCluster:
         self._write_config()
         self._daemon("slurmctld", "-D", "-f", str(self.conf), log="slurmctld.out")
         wait_for(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 20, "slurmctld ping")
+        self.not_on_n2.mkdir()
         for n in NODES:
-            self._daemon("slurmd", "-D", "-N", n, "-f", str(self.conf), log=f"slurmd-{n}.out")
+            self._daemon("slurmd", "-D", "-N", n, "-f", str(self.conf), log=f"slurmd-{n}.out",
+                         hide=self.not_on_n2 if n == "n2" else None)
         wait_for(lambda: self.run("sinfo", "-h", "-o", "%D", "-t", "idle").stdout.strip() == str(len(NODES)),
                  30, "both nodes idle")
 
