@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from flux_train.config import ConfigError, ParallelConfig, TrainConfig
@@ -87,8 +87,13 @@ def mesh_shape(pcfg: ParallelConfig, world: int, local_world: int) -> tuple[int,
 
 
 def build_mesh(pcfg: ParallelConfig, world: int, local_world: int, device_type: str) -> DeviceMesh:
+    """The (dp_replicate, dp_shard) mesh. Its process groups are made here with parallel.timeout_s: the ones
+    init_device_mesh makes wait torch's 30-minute default, so one stopped rank would hang every other node."""
     replicate, shard = mesh_shape(pcfg, world, local_world)
-    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    layout = torch.arange(world).view(replicate, shard)
+    timeout = datetime.timedelta(seconds=pcfg.timeout_s)
+    groups = [dist.new_subgroups_by_enumeration(ranks.tolist(), timeout=timeout)[0] for ranks in (layout.T, layout)]
+    return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -338,7 +338,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flux_train.results", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
                    help=f"a run's out_dir (with {MLLOG_FILE}), a folder of result_*.txt, or a log file")
-    p.add_argument("--out", type=Path, default=Path("."), help=f"where {PLOT_FILE} goes (default: .)")
+    p.add_argument("--out", type=Path, help=f"where {PLOT_FILE} goes (default: the one folder given, else .)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p.parse_args(argv)
 
@@ -350,7 +350,8 @@ def main(argv=None) -> int:
     if all(r.error for r in runs):
         raise UserError("no readable MLLOG in " + ", ".join(f"{r.name} ({r.error})" for r in runs))
     score, samples, rcp = mlperf_score(runs), samples_to_converge(runs), check_rcp(runs)
-    plot = args.out / PLOT_FILE
+    out = args.out or (Path(args.runs[0]) if len(args.runs) == 1 and Path(args.runs[0]).is_dir() else Path("."))
+    plot = out / PLOT_FILE
     plot_val_loss(runs, plot)
     failures = problems(runs)
     if args.json:

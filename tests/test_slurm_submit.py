@@ -1,10 +1,13 @@
 """`python -m flux_train.submit` on a real two-node Slurm (tests/slurm_cluster.py), one podman or apptainer
 container per node (tests/containers.py): a run to the end on both nodes, a requeue on Slurm's USR2 that resumes
 exactly where the checkpoint was, a killed worker ending the whole job, each node's container check; and the
-plain sbatch script with the project in a virtualenv. CPU only: the "GPUs" are gloo worker processes and the
+plain sbatch script with the project in a virtualenv. Then operations, without containers: a stopped worker
+named within the collective timeout, a non-finite step stopping the run there, a campaign of three scored runs,
+and the pre-flight refusing a node that lacks the dataset. CPU only: the "GPUs" are gloo worker processes and the
 GPU gres files are fake."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from containers import engine  # noqa: F401  the fixture
 from flux_train import results
@@ -34,14 +38,15 @@ def job_env(env: dict | None = None) -> dict:
     return {k: v for k, v in (env or os.environ).items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
 
 
-def submit(tmp_path: Path, *args: str, env: dict | None = None) -> str:
+def submit(tmp_path: Path, *args: str, env: dict | None = None, config: str = SYSTEM) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "flux_train.submit", "--config", SYSTEM, "--nodes", "2",
+        [sys.executable, "-m", "flux_train.submit", "--config", config, "--nodes", "2",
          "--set", f"logging.out_dir={tmp_path}/out", "--set", f"slurm.folder={tmp_path}/submitit/%j", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=60, env=job_env(env))
     assert out.returncode == 0, out.stderr
-    job = re.search(r"submitted job (\d+)", out.stdout).group(1)
-    assert f"log folder: {tmp_path}/submitit/{job}" in out.stdout and "tail -F" in out.stdout
+    job = re.search(r"submitted job (?:array )?(\d+)", out.stdout).group(1)
+    first = f"{job}_0" if "job array" in out.stdout else job
+    assert f"log folder: {tmp_path}/submitit/{first}" in out.stdout and "tail -F" in out.stdout
     return job
 
 
@@ -249,3 +254,78 @@ def virtualenv(tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     return venv
+
+
+# ------------------------------------------------------------------------------------------------ operations
+
+
+def node_line(logs: dict[int, str], pattern: str) -> str:
+    found = [m.group(0) for log in logs.values() for m in re.finditer(pattern, log)]
+    assert found, (pattern, logs)
+    return found[0]
+
+
+def test_a_stopped_worker_ends_the_job_naming_its_rank_and_node(slurm_cluster, tmp_path):
+    timeout_s = 20
+    job = submit(tmp_path, "--set", "train.max_steps=100000", "--set", "eval.enabled=false",
+                 "--set", f"parallel.timeout_s={timeout_s}")
+    wait_run_start(slurm_cluster, job, tmp_path)
+    pid = wait_for(lambda: pid_with_env(TORCHELASTIC_RUN_ID=f"flux-{job}-0", RANK=3), 10, "worker rank 3")
+    os.kill(pid, signal.SIGSTOP)  # alive, silent, holding every collective
+    stopped = time.monotonic()
+    try:
+        info = slurm_cluster.wait_job(job, timeout=timeout_s + 180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert time.monotonic() - stopped < timeout_s + 180
+    logs = node_logs(tmp_path, job)
+    assert info["JobState"] == "FAILED", logs
+    assert "rank 3 on n2 has been silent" in node_line(logs, r"collective failed on rank \d+ .*"), logs
+    assert_nothing_left(job)
+
+
+def test_a_non_finite_step_stops_the_run_at_that_step_keeping_the_last_checkpoint(slurm_cluster, tmp_path):
+    job = submit(tmp_path, "--set", "train.max_steps=20", "--set", "eval.enabled=false", "--set", "logging.log_every=1",
+                 "--set", "checkpoint.every_steps=2", "--set", "train.inject_nan_at_step=5")
+    info = slurm_cluster.wait_job(job, timeout=180)
+    logs = node_logs(tmp_path, job)
+    assert info["JobState"] == "FAILED", logs  # the workers exit with 3: a diverged run is no success
+    line = node_line(logs, r"flux-train: stopped: the loss or gradient norm was not finite at step \d+; .*")
+    assert "at step 5;" in line and f"{tmp_path}/out/checkpoints/step_00000004" in line, line
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())[-1] == "step_00000004"
+    stop = mllog(tmp_path)[-1]
+    assert stop["key"] == "run_stop" and stop["metadata"]["status"] == "aborted"
+
+
+def test_a_campaign_of_three_runs_trains_each_and_is_scored(slurm_cluster, tmp_path):
+    """--runs 3: one job array, three seeds, three run folders; the local debug run, which reaches the target in
+    about 150 steps, on two nodes in each."""
+    job = submit(tmp_path, "--runs", "3", "--gpus-per-node", "1", "--set", "train.micro_batch_size=4",
+                 "--set", "logging.progress_bar=false", config="configs/debug.yaml")
+    for task in range(3):
+        info = slurm_cluster.wait_job(f"{job}_{task}", timeout=400)
+        assert info["JobState"] == "COMPLETED", node_logs(tmp_path, f"{job}_{task}")
+    seeds = [yaml.safe_load((tmp_path / "out" / f"run_{i}" / "config.yaml").read_text())["train"]["seed"]
+             for i in range(3)]
+    assert seeds[1] == seeds[0] + 1 and seeds[2] == seeds[0] + 2
+    done = subprocess.run([sys.executable, "-m", "flux_train.results", str(tmp_path / "out"), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    summary = json.loads(done.stdout)
+    assert [r["status"] for r in summary["runs"]] == ["success"] * 3, summary
+    assert summary["score"]["minutes"] is not None and summary["score"]["averaged"] == 1, summary  # olympic mean of 3
+    assert (tmp_path / "out" / "val_loss.png").is_file()
+
+
+def test_preflight_names_the_node_without_the_dataset_and_nothing_trains(slurm_cluster, tmp_path):
+    data = slurm_cluster.not_on_n2 / tmp_path.name
+    subprocess.run([sys.executable, "-m", "dataprep", "fixture", "--out", str(data)], check=True, timeout=120,
+                   capture_output=True)
+    job = submit(tmp_path, "--set", "data.source=energon", "--set", f"data.path={data}")
+    info = slurm_cluster.wait_job(job, timeout=120)
+    logs = node_logs(tmp_path, job)
+    assert info["JobState"] == "FAILED", logs
+    line = node_line(logs, r"pre-flight: n2: .*")
+    assert f"dataset {data} is not readable here" in line and "--exclude n2" in line, line
+    assert "pre-flight: n1" not in logs[0] + logs[1]
+    assert "init_start" not in "".join(logs.values()) and not mllog(tmp_path)
