@@ -139,11 +139,3 @@ class DataError(UserError, ValueError):
 
     label = "data error"
 
-
-def build_data(cfg: Config, rank: int, world: int) -> DataSource:
-    """rank/world are the data-parallel rank and size."""
-    if cfg.data.source == "synthetic":
-        return build_synthetic(cfg, rank, world)
-    from flux_train.energon_data import build_energon  # energon is needed only for real data
-
-    return build_energon(cfg, rank, world)

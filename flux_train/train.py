@@ -21,7 +21,7 @@ import yaml
 
 from flux_train import checkpoint, flow, preemption, preflight
 from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
-from flux_train.data import DataError, build_data, synthetic_samples
+from flux_train.data import DataError, DataSource, build_synthetic, synthetic_samples
 from flux_train.diffusers_adapter import load_pretrained
 from flux_train.errors import reports_user_errors
 from flux_train.evaluate import evaluate
@@ -394,6 +394,15 @@ class Trainer:
         self._say(f"stopped: the loss or gradient norm was not finite {at}; {where}. Lower train.lr, lengthen "
                   "train.warmup_steps or look at the data of that step before resuming")
         return Status.DIVERGED
+
+
+def build_data(cfg: Config, rank: int, world: int) -> DataSource:
+    """rank/world are the data-parallel rank and size."""
+    if cfg.data.source == "synthetic":
+        return build_synthetic(cfg, rank, world)
+    from flux_train.energon_data import build_energon  # energon is needed only for real data
+
+    return build_energon(cfg, rank, world)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

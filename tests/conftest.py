@@ -20,6 +20,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+from containers import engine  # noqa: E402,F401  podman or apptainer, ready for the launcher tests
 from slurm_cluster import slurm_cluster  # noqa: E402,F401  the real two-node Slurm for tests/test_slurm_*.py
 
 

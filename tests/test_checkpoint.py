@@ -1,5 +1,4 @@
 """Resume is exact, saves are atomic, export loads in diffusers."""
-import json
 import signal
 import subprocess
 import sys
@@ -12,14 +11,10 @@ from flux_train import checkpoint
 from flux_train.config import load_config
 from flux_train.results import read_events
 from flux_train.preemption import EXIT_CODE as EXIT_PREEMPTED
+from run_outputs import column, losses
 
 COMMON = ["--set", "data.source=synthetic", "--set", "eval.enabled=false", "--set", "logging.log_every=1", "--set", "train.warmup_steps=3",
           "--set", "train.caption_dropout_prob=0.1"]
-
-
-def losses(out):
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}
 
 
 def crashed_after_step_4(out):
@@ -45,7 +40,7 @@ def test_preempted_run_checkpoints_and_resumes_with_the_same_losses(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "flux_train.train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
-    while time.time() < deadline and not ((split / "metrics.jsonl").exists() and len(losses(split)) >= 3):
+    while time.time() < deadline and len(losses(split)) < 3:
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR2)
     out, _ = proc.communicate(timeout=300)
@@ -171,11 +166,8 @@ def test_init_from_an_exported_model_starts_where_it_ended(tmp_path):
         "--set", f"model.init_from={export}", "--set", "eval.enabled=true", "--set", "eval.every_steps=1",
         "--set", "eval.target=0")
 
-    def val(path):
-        return [r["val_loss"] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())
-                if "val_loss" in r]
     # eval draws its noise from (seed, eval index): the first eval of each run sees the same noise
-    assert val(again)[0] == pytest.approx(val(out)[0], rel=1e-4)
+    assert column(again, "val_loss")[0] == pytest.approx(column(out, "val_loss")[0], rel=1e-4)
 
 
 def test_warm_up_before_run_start_leaves_training_unchanged(tmp_path):

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from containers import engine  # noqa: F401  the fixture
 from flux_train import container
 from flux_train.config import load_config
 

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from flux_train.kernels.fp8 import FP8Linear, convert_to_fp8, e4m3_dtype, linear, quantize
+from run_outputs import column
 
 
 @pytest.mark.parametrize("arch,dtype", [
@@ -97,8 +98,6 @@ def test_shapes_not_divisible_by_16_fall_back_to_bf16():
 
 def test_fp8_debug_run_converges_like_bf16(tmp_path):
     """Convergence sanity: 50 debug steps with emulated FP8 GEMMs land where the full-precision run does."""
-    import json
-
     from flux_train.train import main
 
     vals = {}
@@ -106,7 +105,6 @@ def test_fp8_debug_run_converges_like_bf16(tmp_path):
         out = tmp_path / recipe
         assert main(["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", f"perf.fp8={recipe}",
                      "--set", "train.max_steps=50", "--set", f"logging.out_dir={out}"]) == 0
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        vals[recipe] = [r["val_loss"] for r in rows if "val_loss" in r]
+        vals[recipe] = column(out, "val_loss")
     assert len(vals["none"]) == 2 and vals["none"][-1] < vals["none"][0]
     assert vals["rowwise"] == pytest.approx(vals["none"], rel=0.03)

@@ -1,7 +1,6 @@
 """GPU checks (marker gpu; skipped without a GPU, run on the device machine): the Triton RMSNorm and AdamW
 kernels against references, compiled and graphed steps against eager (model and trainer), the attention
 backend, FP8 on tensor cores against its CPU emulation."""
-import json
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from flux_train.config import ModelConfig
 from flux_train.kernels import rms_norm, rms_norm_torch
 from flux_train.model import build_model, materialize
 from flux_train.perf import CudaGraph, compile_blocks, select_attention_backend
+from run_outputs import column
 
 pytestmark = pytest.mark.gpu
 
@@ -178,8 +178,7 @@ def test_trainer_graphed_steps_equal_eager_steps(tmp_path):
                 "--set", "train.micro_batch_size=2", "--set", "train.global_batch_size=6", "--set", "eval.enabled=false",
                 "--set", "logging.log_every=1", "--set", "logging.progress_bar=false", "--set", f"logging.out_dir={out}"]
         assert main(args) == 0
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[graphs] = ([r["loss"] for r in rows if "loss" in r], [r["grad_norm"] for r in rows if "grad_norm" in r])
+        runs[graphs] = (column(out, "loss"), column(out, "grad_norm"))
     assert len(runs[True][0]) == 6
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-2)
     assert runs[True][1] == pytest.approx(runs[False][1], rel=2e-2)

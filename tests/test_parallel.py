@@ -1,5 +1,4 @@
 """Data parallelism on the CPU (gloo, FSDP2): 2 ranks with half the batch each reproduce 1 rank's losses."""
-import json
 import os
 import subprocess
 import sys
@@ -8,6 +7,7 @@ import pytest
 
 from flux_train.config import ParallelConfig
 from flux_train.parallel import mesh_shape
+from run_outputs import column, metrics
 
 ARGS = ["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", "eval.every_steps=3",
         "--set", "train.max_steps=6", "--set", "train.micro_batch_size=4", "--set", "logging.log_every=1",
@@ -20,11 +20,7 @@ def run(out, nproc, extra=()):
     proc = subprocess.run([*launcher, "-m", "flux_train.train", *ARGS, "--set", f"logging.out_dir={out}", *extra],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def column(rows, key):
-    return [r[key] for r in rows if key in r]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +131,7 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
                             text=True, env={**os.environ, "FLUX_TEST_RUN": str(out)})
     try:
         deadline = time.time() + 300
-        while time.time() < deadline and not ((out / "metrics.jsonl").exists()
-                                              and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+        while time.time() < deadline and len(metrics(out)) < 3:
             time.sleep(0.5)
         victim = pid_with_env(RANK=1, FLUX_TEST_RUN=out)
         assert victim, "rank 1 not found"

@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from containers import engine  # noqa: F401  the fixture
-from flux_train import results
 from processes import pid_with_env, pids_with_env
+from run_outputs import events, metrics
 from slurm_cluster import TERMINAL, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -51,10 +50,7 @@ def submit(tmp_path: Path, *args: str, env: dict | None = None, config: str = SY
 
 
 def mllog(tmp_path: Path) -> list[dict]:
-    try:
-        return results.read_events(tmp_path / "out" / "mllog.log")
-    except results.UnreadableLog:  # not written yet
-        return []
+    return events(tmp_path / "out")
 
 
 def node_logs(tmp_path: Path, job: str) -> dict[int, str]:
@@ -118,10 +114,6 @@ def test_two_nodes_train_to_the_end(slurm_cluster, engine, tmp_path):
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] in ("success", "aborted")
     assert [e["key"] for e in events].count("eval_accuracy") >= 1
     assert_nothing_left(job)
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 STEPS, GBS = 30, 4

@@ -9,6 +9,7 @@ from PIL import Image
 
 from flux_train.results import read_events
 from flux_train.train import main
+from run_outputs import column, metrics
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +24,8 @@ def debug_run(tmp_path_factory):
 
 def test_debug_run_overfits_and_stops_with_success(debug_run):
     out, proc = debug_run
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if "loss" in r]
-    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    rows = metrics(out)
+    losses, vals = column(out, "loss"), column(out, "val_loss")
     assert len(losses) >= 3 and losses[-1] < 0.75 * losses[0], losses
     assert vals[-1] <= 0.586 < vals[0], vals
     events = read_events(out / "mllog.log")
@@ -38,7 +38,7 @@ def test_debug_run_overfits_and_stops_with_success(debug_run):
 
 def test_report_png_draws_the_numbers_of_metrics_jsonl_and_tensorboard_has_them(debug_run):
     out, _ = debug_run
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(out)
     png = Image.open(out / "report.png")
     assert png.format == "PNG" and png.size == (900, 1000)
     drawn = json.loads(png.text["flux_train.report"])  # the numbers the panels plot
