@@ -61,7 +61,7 @@ def test_sbatch_script_one_task_per_node_with_requeue(capsys, tmp_path):
     assert flags["--signal"] == "USR2@60" and "--requeue" in flags and flags["--open-mode"] == "append"
     assert "--kill-on-bad-exit=1" in argv and "--cpus-per-task=16" in argv
     assert program(argv) == [sys.executable, "-u", "-m", "submitit.core._submit", f"{tmp_path}/sub/%j"]
-    assert f"export FLUX_REQUEUE_FLAG={tmp_path}/sub/${{SLURM_JOB_ID}}/requeue.flag" in script
+    assert f"export FLUX_REQUEUE_FLAG={tmp_path}/sub/${{FLUX_JOB_ID}}/requeue.flag" in script
     assert script.split("# teardown", 1)[1].strip().splitlines() == preemption.teardown()
 
 
