@@ -22,7 +22,6 @@ comparison in one GPU session: the stock rows move several per cent from one mac
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -37,7 +36,7 @@ from flux_train import flow
 from flux_train.config import Config, load_config
 from flux_train.data import synthetic_samples
 from flux_train.diffusers_adapter import diffusers_config
-from flux_train.errors import UserError, reports_user_errors
+from flux_train.errors import Parser, UserError, reports_user_errors
 from flux_train.model import build_model, flops_per_sample, init_weights
 from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
 
@@ -379,7 +378,7 @@ def print_table(rows: list[dict]) -> None:
 
 @reports_user_errors
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flux_train.bench", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m flux_train.bench", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/bench.yaml", help="the run config whose model and perf settings "
                    "are measured (default: configs/bench.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -33,15 +33,16 @@ from pathlib import Path
 import yaml
 
 from flux_train import container
-from flux_train.config import CONFIG_DIR, Config, ConfigError, ContainerConfig, load_config, validate
+from flux_train.config import CONFIG_DIR, Config, ContainerConfig, load_config, validate
 from flux_train import preemption
+from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
 from flux_train.launch import NodeAgent
 from flux_train.private_apis import sbatch_script
 
 RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
 
 
-class SubmitError(Exception):
+class SubmitError(UserError):
     """Bad input; the message names it and the fix."""
 
 
@@ -106,21 +107,6 @@ def sbatch_parameters(cfg: Config, folder: str, srun_container_args: list[str]) 
 
 # ---------------------------------------------------------------------------------------------------
 # command line
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def time_minutes(text: str) -> int:
@@ -295,19 +281,16 @@ def submit(cfg: Config, runs: int) -> None:
         print(f"results:    python -m flux_train.results {shlex.quote(cfg.logging.out_dir)} (when all runs have ended)")
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = resolve_config(args)
-        if args.dry_run:
-            dry_run(cfg, args.runs)
-        elif args.local:
-            return run_local(cfg, args.runs)
-        else:
-            submit(cfg, args.runs)
-    except (ConfigError, SubmitError) as exc:
-        print(f"python -m flux_train.submit: error: {exc}", file=sys.stderr)
-        return 2
+    cfg = resolve_config(args)
+    if args.dry_run:
+        dry_run(cfg, args.runs)
+    elif args.local:
+        return run_local(cfg, args.runs)
+    else:
+        submit(cfg, args.runs)
     return 0
 
 
