@@ -20,7 +20,9 @@ the requeue flag file exported by the script's setup, its teardown sourced from 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import math
 import os
 import shlex
@@ -33,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from flux_train import container
-from flux_train.config import CONFIG_DIR, Config, ContainerConfig, load_config, validate
+from flux_train.config import CONFIG_DIR, Config, ContainerConfig, load_config, mesh_shape, validate
 from flux_train import preemption
 from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
 from flux_train.launch import NodeAgent
@@ -177,7 +179,9 @@ def resolve_config(args: argparse.Namespace) -> Config:
         cfg.preflight.enabled = False
     elif not args.local:
         cfg.preflight.enabled = True  # a Slurm run checks its nodes before the clock starts
-    validate(cfg, world_size=cfg.slurm.nodes * cfg.slurm.gpus_per_node)
+    world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
+    validate(cfg, world_size=world)
+    mesh_shape(cfg.parallel, world, cfg.slurm.gpus_per_node)  # a mesh that does not fit stops here, not in the job
     s, c = cfg.slurm, cfg.container
     if not 0 < s.signal_delay_s < s.time_min * 60:
         raise SubmitError(f"slurm.signal_delay_s={s.signal_delay_s} must be between 0 and the time limit "
@@ -251,6 +255,16 @@ def run_one_local(cfg: Config) -> int:
     return subprocess.call(argv)
 
 
+def sbatch_refusal(stderr: str) -> str:
+    """The line for sbatch's refusal: its own reason (its last line), and what to check."""
+    reason = (stderr.strip().splitlines() or ["no message"])[-1].removeprefix("sbatch: error: ")
+    if "slurm controller" in reason.lower():
+        return (f"sbatch cannot reach the Slurm controller ({reason}): check that slurmctld is up and reachable "
+                "from this host (scontrol ping), then submit again; nothing was queued")
+    return (f"sbatch refused the job ({reason}): check --partition, --account, --qos, --time and --gpus-per-node "
+            "against the cluster (sinfo, sacctmgr show assoc user=$USER)")
+
+
 def submit(cfg: Config, runs: int) -> None:
     import submitit
 
@@ -262,13 +276,16 @@ def submit(cfg: Config, runs: int) -> None:
     # requeue counting is the agent's (slurm.max_requeue), not submitit's: its USR2 handler is replaced
     executor = submitit.SlurmExecutor(folder=folder, python=shlex.join(python))
     executor.update_parameters(**sbatch_parameters(cfg, folder, srun_args))
+    staging = submitit.core.utils.JobPaths.get_first_id_independent_folder(folder)  # pickles and script go here
+    before = set(staging.iterdir()) if staging.is_dir() else set()
     try:
-        with executor.batch():  # more than one job: a job array
+        # submitit prints sbatch's stderr as well as raising it: the one line below carries it
+        with contextlib.redirect_stderr(io.StringIO()), executor.batch():  # more than one job: a job array
             jobs = [executor.submit(NodeAgent(run)) for run in campaign(cfg, runs)]
     except submitit.core.utils.FailedJobError as exc:
-        # submitit has printed sbatch's own message above
-        raise SubmitError("sbatch refused the job: check --partition, --account, --qos, --time and "
-                          f"--gpus-per-node against the cluster ({type(exc).__name__})") from None
+        for path in set(staging.iterdir()) - before:  # the refused job's files
+            path.unlink()
+        raise SubmitError(sbatch_refusal(str(exc))) from None
     job = jobs[0]
     whole = job.job_id.split("_")[0]
     what = f"job {job.job_id}" if runs == 1 else f"job array {whole} ({runs} runs, tasks {whole}_0..{whole}_{runs - 1})"
