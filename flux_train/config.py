@@ -294,7 +294,8 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """Read a config file with its `defaults:` chain merged in; returns a plain nested dict."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}; pass --config an existing YAML file (the shipped ones "
+                          f"are in {CONFIG_DIR})")
     resolved = path.resolve()
     if resolved in _seen:
         raise ConfigError(f"defaults: cycle through {path}")

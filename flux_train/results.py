@@ -346,6 +346,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 @reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.out and args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out} is a file; give the folder that {PLOT_FILE} goes into")
     runs = [summarize_run(name, log) for name, log in find_logs(args.runs)]
     if all(r.error for r in runs):
         raise UserError("no readable MLLOG in " + ", ".join(f"{r.name} ({r.error})" for r in runs))
