@@ -12,12 +12,22 @@ import braceexpand
 from dataprep.encoders import add_encoder_arguments
 from dataprep.format import DataprepError, Shape
 
+EXIT_BAD_INPUT = 2  # as flux_train.errors.EXIT_BAD_INPUT
+
 
 def _shape(text: str) -> Shape:
     try:
         return Shape.parse(text)
     except DataprepError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class Parser(argparse.ArgumentParser):
+    """A bad flag is one line naming it, exit 2, as in flux_train's commands (flux_train.errors.Parser: dataprep
+    cannot import it, flux_train imports dataprep.format). Subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _tars(patterns: list[str]) -> list[Path]:
@@ -37,9 +47,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dataprep", description="Prepare the flux1 energon dataset "
-                                "(the format: dataprep/format.py): convert or encode, empty-encodings, prepare, "
-                                "verify; fixture writes a tiny one.")
+    p = Parser(prog="python -m dataprep", description="Prepare the flux1 energon dataset "
+               "(the format: dataprep/format.py): convert or encode, empty-encodings, prepare, "
+               "verify; fixture writes a tiny one.")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("convert", help="MLCommons preprocessed HF datasets (Arrow) -> train/ and val/ shards",
@@ -155,7 +165,7 @@ def main(argv=None) -> int:
         return run(args)
     except DataprepError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted: rerun the same command to resume", file=sys.stderr)
         return 130

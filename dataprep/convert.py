@@ -30,7 +30,8 @@ def open_input(path: Path, val: bool):
     try:
         ds = load_from_disk(str(path))
     except FileNotFoundError as exc:
-        raise DataprepError(f"{path}: not a Hugging Face save_to_disk dataset ({exc})") from None
+        raise DataprepError(f"--{'val' if val else 'train'} {path}: not a Hugging Face save_to_disk dataset ({exc}); "
+                            "give the folder that save_to_disk wrote") from None
     if isinstance(ds, DatasetDict):
         raise DataprepError(f"{path}: a DatasetDict with splits {list(ds)}; pass one split's folder, "
                             f"e.g. {path / next(iter(ds))}")

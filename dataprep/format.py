@@ -51,9 +51,9 @@ class Shape:
             values = [int(v) for v in str(text).split(",")]
             shape = cls(*values)
         except (TypeError, ValueError):
-            raise DataprepError(f"--shape {text!r}: expected L,H,W (e.g. 256,32,32)") from None
+            raise DataprepError(f"shape {text!r}: expected L,H,W (e.g. 256,32,32)") from None
         if min(values) <= 0 or len(values) != 3:
-            raise DataprepError(f"--shape {text!r}: expected three positive integers L,H,W")
+            raise DataprepError(f"shape {text!r}: expected three positive integers L,H,W")
         return shape
 
     def of(self, part: str) -> tuple[int, ...]:

@@ -132,7 +132,8 @@ class SplitWriter:
         return record
 
     def finish(self, records: list[ShardRecord]) -> None:
-        """index.txt (the shards, as NVIDIA's layout has it) and skipped.tsv once every shard is done."""
+        """index.txt (the shards, as NVIDIA's layout has it) and skipped.tsv once every shard is done. A split whose
+        every input was skipped (--skip-bad) is an error, not an empty success."""
         names = [SHARD.format(r.index) for r in sorted(records, key=lambda r: r.index) if r.samples]
         (self.dir / INDEX).write_text("".join(n + "\n" for n in names))
         rows = [s for r in sorted(records, key=lambda r: r.index) for s in r.skipped]
@@ -141,6 +142,11 @@ class SplitWriter:
             skipped.write_text("row\tkey\treason\n" + "".join(f"{row}\t{key}\t{why}\n" for row, key, why in rows))
         else:
             skipped.unlink(missing_ok=True)
+        if rows and not names:
+            row, key, why = rows[0]
+            raise DataprepError(f"{self.dir}: nothing converted: all {len(rows)} input samples were skipped as bad "
+                                f"(the first: row {row} {key!r}: {why}; all listed in {skipped}); fix the input or the "
+                                f"options (--shape?), delete {self.dir} and {self.book}, and rerun")
 
     @property
     def skipped_list(self) -> Path:

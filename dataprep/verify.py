@@ -23,8 +23,8 @@ from megatron.energon import (Cooker, CrudeSample, DefaultTaskEncoder, WorkerCon
 from megatron.energon.errors import reraise_exception
 
 from dataprep import progress
-from dataprep.format import (CLIP_DIM, EMPTY_CLIP, EMPTY_T5, METADATA, PARTS, T5_DIM, DatasetInfo, FormatError, Shape,
-                             check_sample, read_info, sample_meta, sample_where)
+from dataprep.format import (CLIP_DIM, EMPTY_CLIP, EMPTY_T5, METADATA, PARTS, T5_DIM, DataprepError, DatasetInfo,
+                             FormatError, Shape, check_sample, read_info, sample_meta, sample_where)
 from dataprep.prepare import DATASET_YAML, SPLITS
 from dataprep.shards import INDEX
 
@@ -170,6 +170,8 @@ def check_empty(root: Path, shape: Optional[Shape], report: Report) -> None:
 def verify(root: Path, asserted: Optional[Shape], workers: int) -> Report:
     """Check the dataset at root; `asserted` (--shape) is the shape the caller expects, if any."""
     root = Path(root)
+    if not root.is_dir():
+        raise DataprepError(f"{root}: no such folder; give the dataset root (holding .nv-meta/, train/, val/)")
     report = Report()
     splits = check_metadata(root, report)
     info = dataset_info(root, asserted, report)

@@ -22,13 +22,13 @@ comparison in one GPU session: the stock rows move several per cent from one mac
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from flux_train import flow
 from flux_train.config import Config, load_config
 from flux_train.data import synthetic_samples
 from flux_train.diffusers_adapter import diffusers_config
-from flux_train.errors import UserError, reports_user_errors
+from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
 from flux_train.model import build_model, flops_per_sample, init_weights
 from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
 
@@ -377,9 +377,29 @@ def print_table(rows: list[dict]) -> None:
             print(f"{kind:28s}" + "".join(f" {r['profile'].get(kind, 0):23.1f}" for r in profiled))
 
 
+def read_rows(path: str) -> list[dict]:
+    """The rows of a --json file, for --table."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise UserError(f"--table {path}: {exc.strerror}; give a file that --json wrote") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not (isinstance(row, dict) and {"mode", "row"} <= row.keys()):
+            raise UserError(f"--table {path}: line {n} is not a bench row; give a file that --json wrote")
+        rows.append(row)
+    return rows
+
+
 @reports_user_errors
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flux_train.bench", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m flux_train.bench", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/bench.yaml", help="the run config whose model and perf settings "
                    "are measured (default: configs/bench.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -389,11 +409,12 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default=None,
                    help=f"comma-separated rows; fwdbwd: {', '.join(FWDBWD_ROWS)} (default stock,ours); "
                         f"step: {', '.join(STEP_ROWS)} (default stock,ours)")
-    p.add_argument("--batch", type=int, default=16, help="fwdbwd batch (step mode uses train.micro_batch_size)")
-    p.add_argument("--text-len", type=int, default=256, help="T5 tokens per sample (default 256)")
-    p.add_argument("--latent", type=int, default=32, help="latent side (32 = 256x256 images)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per row (median reported)")
-    p.add_argument("--accum", type=int, default=1,
+    p.add_argument("--batch", type=positive_int, default=16,
+                   help="fwdbwd batch (step mode uses train.micro_batch_size)")
+    p.add_argument("--text-len", type=positive_int, default=256, help="T5 tokens per sample (default 256)")
+    p.add_argument("--latent", type=positive_int, default=32, help="latent side (32 = 256x256 images)")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per row (median reported)")
+    p.add_argument("--accum", type=positive_int, default=1,
                    help="step mode: micro-batches per optimizer step for the ours row (the stock step has none)")
     p.add_argument("--profile", action="store_true", help="add the GPU time per kernel kind to each row")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
@@ -404,7 +425,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default="runs/bench", help="the trainer's run folder in step mode")
     args = p.parse_args(argv)
     if args.table:
-        print_table([json.loads(line) for line in open(args.table) if line.strip()])
+        print_table(read_rows(args.table))
         return 0
     cfg = load_config(args.config, args.overrides)
     rows = (args.rows or "stock,ours").split(",")

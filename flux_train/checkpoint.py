@@ -14,7 +14,6 @@ training goes on, and the checkpoint is completed (renamed) when the next save s
 """
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 import sys
@@ -25,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from flux_train.config import ConfigError
-from flux_train.errors import reports_user_errors
+from flux_train.errors import Parser, reports_user_errors
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -163,8 +162,8 @@ def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
 def main(argv=None) -> int:
     from flux_train.config import load_config
 
-    p = argparse.ArgumentParser(prog="python -m flux_train.checkpoint")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = Parser(prog="python -m flux_train.checkpoint")
+    sub = p.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="write a checkpoint's model as a diffusers FluxTransformer2DModel folder")
     ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
     ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")

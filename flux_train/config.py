@@ -294,7 +294,8 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """Read a config file with its `defaults:` chain merged in; returns a plain nested dict."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}; pass --config an existing YAML file (the shipped ones "
+                          f"are in {CONFIG_DIR})")
     resolved = path.resolve()
     if resolved in _seen:
         raise ConfigError(f"defaults: cycle through {path}")
@@ -459,6 +460,21 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
              f"{t.micro_batch_size} x data-parallel size {world_size} = {per_step}; "
              f"choose a multiple of {per_step} or change micro_batch_size")
     return cfg
+
+
+def mesh_shape(pcfg: ParallelConfig, world: int, local_world: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard); defaults shard within a node and replicate across nodes."""
+    for key, value in (("dp_shard", pcfg.dp_shard), ("dp_replicate", pcfg.dp_replicate)):
+        if value > 0 and world % value:
+            raise ConfigError(f"parallel.{key}={value} does not divide the {world} ranks of this run; choose a "
+                              f"divisor of {world} or -1 (shard within a node, replicate across nodes)")
+    shard = pcfg.dp_shard if pcfg.dp_shard > 0 else (
+        world // pcfg.dp_replicate if pcfg.dp_replicate > 0 else min(local_world, world))
+    replicate = pcfg.dp_replicate if pcfg.dp_replicate > 0 else world // shard
+    if shard * replicate != world:
+        raise ConfigError(f"parallel.dp_replicate {replicate} x parallel.dp_shard {shard} != the {world} ranks of "
+                          "this run; set one of them to -1")
+    return replicate, shard
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

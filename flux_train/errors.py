@@ -1,6 +1,7 @@
 """Errors that name a bad input, and the one way every command reports them: one line on stderr, exit 2."""
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from typing import Callable
@@ -26,3 +27,22 @@ def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
             return EXIT_BAD_INPUT
 
     return wrapped
+
+
+class Parser(argparse.ArgumentParser):
+    """The argument parser of every command: a bad flag is one line naming it (argparse's own error prints the
+    usage block first), exit 2. Subcommands' parsers are of the same class (argparse's default)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

@@ -17,7 +17,6 @@ creates the flag file that the batch script's teardown turns into `scontrol requ
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import random
@@ -33,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from flux_train.config import Config, ConfigError, load_config, validate
+from flux_train.errors import Parser
 from flux_train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from flux_train.preemption import REQUEUE_FLAG_ENV, SIGNAL
 
@@ -389,7 +389,7 @@ class NodeAgent:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flux_train.launch", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m flux_train.launch", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML config (a system file from configs/systems/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value; repeatable")

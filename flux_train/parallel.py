@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from flux_train.config import ConfigError, ParallelConfig, TrainConfig
+from flux_train.config import ParallelConfig, TrainConfig, mesh_shape
 from flux_train.ddp import DDP
 from flux_train.model import assign_weights, block_stacks
 from flux_train.optim import build_optimizer, clip_grad_norm, set_lr
@@ -69,21 +69,6 @@ def init_distributed(pcfg: ParallelConfig, device_choice: str = "auto", flight_r
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     mesh = build_mesh(pcfg, world, local_world, device.type)
     return Dist(rank, world, device, mesh)
-
-
-def mesh_shape(pcfg: ParallelConfig, world: int, local_world: int) -> tuple[int, int]:
-    """(dp_replicate, dp_shard); defaults shard within a node and replicate across nodes."""
-    for key, value in (("dp_shard", pcfg.dp_shard), ("dp_replicate", pcfg.dp_replicate)):
-        if value > 0 and world % value:
-            raise ConfigError(f"parallel.{key}={value} does not divide the {world} ranks of this run; choose a "
-                              f"divisor of {world} or -1 (shard within a node, replicate across nodes)")
-    shard = pcfg.dp_shard if pcfg.dp_shard > 0 else (
-        world // pcfg.dp_replicate if pcfg.dp_replicate > 0 else min(local_world, world))
-    replicate = pcfg.dp_replicate if pcfg.dp_replicate > 0 else world // shard
-    if shard * replicate != world:
-        raise ConfigError(f"parallel.dp_replicate {replicate} x parallel.dp_shard {shard} != the {world} ranks of "
-                          "this run; set one of them to -1")
-    return replicate, shard
 
 
 def build_mesh(pcfg: ParallelConfig, world: int, local_world: int, device_type: str) -> DeviceMesh:

@@ -16,13 +16,12 @@ So the lead time must cover up to log_every steps, one checkpoint save, and slac
 """
 from __future__ import annotations
 
-import argparse
 import shlex
 import signal
 import sys
 from pathlib import Path
 
-from flux_train.errors import reports_user_errors
+from flux_train.errors import Parser, reports_user_errors
 
 SIGNAL = signal.SIGUSR2
 EXIT_CODE = 75  # EX_TEMPFAIL: saved a checkpoint on SIGNAL and stopped; the job requeues
@@ -44,9 +43,9 @@ def teardown() -> list[str]:
 def main(argv=None) -> int:
     from flux_train.config import load_config
 
-    p = argparse.ArgumentParser(prog="python -m flux_train.preemption",
-                                description="Print the sbatch options of the preemption contract for a config "
-                                            "(for `sbatch $(...) slurm/flux.sbatch --config CONFIG`).")
+    p = Parser(prog="python -m flux_train.preemption",
+               description="Print the sbatch options of the preemption contract for a config "
+                           "(for `sbatch $(...) slurm/flux.sbatch --config CONFIG`).")
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = p.parse_args(argv)

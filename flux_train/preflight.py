@@ -9,7 +9,6 @@ with one line per bad node naming the host, the reason and how to leave the node
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from flux_train.config import Config, load_config
-from flux_train.errors import UserError, reports_user_errors
+from flux_train.errors import Parser, UserError, reports_user_errors
 from flux_train.heartbeat import node_name
 
 # a worker's own CUDA context and allocator reserve; more in use before the run allocates means another process
@@ -114,7 +113,7 @@ def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) 
 def main(argv=None) -> int:
     from flux_train.parallel import init_distributed, shutdown
 
-    ap = argparse.ArgumentParser(prog="python -m flux_train.preflight", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m flux_train.preflight", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/debug.yaml", help="the run's config (what to check)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one config value; repeatable")

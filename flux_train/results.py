@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from mlperf_logging.benchmark_meta import get_result_file_counts
 
 from flux_train.config import TARGET_VAL_LOSS
-from flux_train.errors import UserError, reports_user_errors
+from flux_train.errors import Parser, UserError, reports_user_errors
 from flux_train.private_apis import compliance_check, rcp_batch_sizes, rcp_check
 from flux_train.report import draw_val_loss
 
@@ -335,7 +335,7 @@ def print_summary(runs: list[Run], score: Score, samples: Samples, rcp: Rcp, plo
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m flux_train.results", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m flux_train.results", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
                    help=f"a run's out_dir (with {MLLOG_FILE}), a folder of result_*.txt, or a log file")
     p.add_argument("--out", type=Path, help=f"where {PLOT_FILE} goes (default: the one folder given, else .)")
@@ -346,6 +346,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 @reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.out and args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out} is a file; give the folder that {PLOT_FILE} goes into")
     runs = [summarize_run(name, log) for name, log in find_logs(args.runs)]
     if all(r.error for r in runs):
         raise UserError("no readable MLLOG in " + ", ".join(f"{r.name} ({r.error})" for r in runs))

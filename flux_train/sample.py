@@ -27,7 +27,7 @@ from dataprep.encoders import ImageEncoder, TextEncoders, add_encoder_arguments,
 from dataprep.format import DataprepError
 from flux_train.config import Config, ModelConfig, TrainConfig, load_config
 from flux_train.diffusers_adapter import diffusers_config, save_diffusers, to_diffusers
-from flux_train.errors import UserError, reports_user_errors
+from flux_train.errors import Parser, UserError, reports_user_errors
 
 STEPS = 4  # Flux.1-schnell's sampler: 4 steps, guidance-distilled (no classifier-free guidance)
 # FLUX.1-schnell's scheduler_config.json: Euler over the flow, no resolution-dependent shift
@@ -154,7 +154,7 @@ def run_config_file(checkpoint: Path) -> Path:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m flux_train.sample", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m flux_train.sample", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, required=True,
                    help="a step_XXXXXXXX checkpoint folder, or a folder of them (the latest is used)")
     p.add_argument("--config", type=Path, help="the run's config.yaml (default: the one of the run the checkpoint "

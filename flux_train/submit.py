@@ -20,7 +20,9 @@ the requeue flag file exported by the script's setup, its teardown sourced from 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import math
 import os
 import shlex
@@ -33,15 +35,16 @@ from pathlib import Path
 import yaml
 
 from flux_train import container
-from flux_train.config import CONFIG_DIR, Config, ConfigError, ContainerConfig, load_config, validate
+from flux_train.config import CONFIG_DIR, Config, ContainerConfig, load_config, mesh_shape, validate
 from flux_train import preemption
+from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
 from flux_train.launch import NodeAgent
 from flux_train.private_apis import sbatch_script
 
 RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
 
 
-class SubmitError(Exception):
+class SubmitError(UserError):
     """Bad input; the message names it and the fix."""
 
 
@@ -106,21 +109,6 @@ def sbatch_parameters(cfg: Config, folder: str, srun_container_args: list[str]) 
 
 # ---------------------------------------------------------------------------------------------------
 # command line
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def time_minutes(text: str) -> int:
@@ -191,7 +179,9 @@ def resolve_config(args: argparse.Namespace) -> Config:
         cfg.preflight.enabled = False
     elif not args.local:
         cfg.preflight.enabled = True  # a Slurm run checks its nodes before the clock starts
-    validate(cfg, world_size=cfg.slurm.nodes * cfg.slurm.gpus_per_node)
+    world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
+    validate(cfg, world_size=world)
+    mesh_shape(cfg.parallel, world, cfg.slurm.gpus_per_node)  # a mesh that does not fit stops here, not in the job
     s, c = cfg.slurm, cfg.container
     if not 0 < s.signal_delay_s < s.time_min * 60:
         raise SubmitError(f"slurm.signal_delay_s={s.signal_delay_s} must be between 0 and the time limit "
@@ -265,6 +255,16 @@ def run_one_local(cfg: Config) -> int:
     return subprocess.call(argv)
 
 
+def sbatch_refusal(stderr: str) -> str:
+    """The line for sbatch's refusal: its own reason (its last line), and what to check."""
+    reason = (stderr.strip().splitlines() or ["no message"])[-1].removeprefix("sbatch: error: ")
+    if "slurm controller" in reason.lower():
+        return (f"sbatch cannot reach the Slurm controller ({reason}): check that slurmctld is up and reachable "
+                "from this host (scontrol ping), then submit again; nothing was queued")
+    return (f"sbatch refused the job ({reason}): check --partition, --account, --qos, --time and --gpus-per-node "
+            "against the cluster (sinfo, sacctmgr show assoc user=$USER)")
+
+
 def submit(cfg: Config, runs: int) -> None:
     import submitit
 
@@ -276,13 +276,16 @@ def submit(cfg: Config, runs: int) -> None:
     # requeue counting is the agent's (slurm.max_requeue), not submitit's: its USR2 handler is replaced
     executor = submitit.SlurmExecutor(folder=folder, python=shlex.join(python))
     executor.update_parameters(**sbatch_parameters(cfg, folder, srun_args))
+    staging = submitit.core.utils.JobPaths.get_first_id_independent_folder(folder)  # pickles and script go here
+    before = set(staging.iterdir()) if staging.is_dir() else set()
     try:
-        with executor.batch():  # more than one job: a job array
+        # submitit prints sbatch's stderr as well as raising it: the one line below carries it
+        with contextlib.redirect_stderr(io.StringIO()), executor.batch():  # more than one job: a job array
             jobs = [executor.submit(NodeAgent(run)) for run in campaign(cfg, runs)]
     except submitit.core.utils.FailedJobError as exc:
-        # submitit has printed sbatch's own message above
-        raise SubmitError("sbatch refused the job: check --partition, --account, --qos, --time and "
-                          f"--gpus-per-node against the cluster ({type(exc).__name__})") from None
+        for path in set(staging.iterdir()) - before:  # the refused job's files
+            path.unlink()
+        raise SubmitError(sbatch_refusal(str(exc))) from None
     job = jobs[0]
     whole = job.job_id.split("_")[0]
     what = f"job {job.job_id}" if runs == 1 else f"job array {whole} ({runs} runs, tasks {whole}_0..{whole}_{runs - 1})"
@@ -295,19 +298,16 @@ def submit(cfg: Config, runs: int) -> None:
         print(f"results:    python -m flux_train.results {shlex.quote(cfg.logging.out_dir)} (when all runs have ended)")
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = resolve_config(args)
-        if args.dry_run:
-            dry_run(cfg, args.runs)
-        elif args.local:
-            return run_local(cfg, args.runs)
-        else:
-            submit(cfg, args.runs)
-    except (ConfigError, SubmitError) as exc:
-        print(f"python -m flux_train.submit: error: {exc}", file=sys.stderr)
-        return 2
+    cfg = resolve_config(args)
+    if args.dry_run:
+        dry_run(cfg, args.runs)
+    elif args.local:
+        return run_local(cfg, args.runs)
+    else:
+        submit(cfg, args.runs)
     return 0
 
 

@@ -23,7 +23,7 @@ from flux_train import checkpoint, flow, preemption, preflight
 from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
 from flux_train.data import DataError, DataSource, build_synthetic, synthetic_samples
 from flux_train.diffusers_adapter import load_pretrained
-from flux_train.errors import reports_user_errors
+from flux_train.errors import Parser, reports_user_errors
 from flux_train.evaluate import evaluate
 from flux_train.heartbeat import Heartbeat, stragglers
 from flux_train.metrics import Metrics
@@ -406,7 +406,7 @@ def build_data(cfg: Config, rank: int, world: int) -> DataSource:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m flux_train.train", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m flux_train.train", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/debug.yaml", help="YAML config (default: configs/debug.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value; repeatable")

@@ -1,12 +1,21 @@
 """The command lines explain themselves: `--help` of every command and subcommand gives every flag a line of help;
 `python -m flux_train.train --print-config` prints the resolved config."""
 import argparse
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
+from tqdm import tqdm
 
+from dataprep import progress
 from dataprep.__main__ import main as dataprep
 from flux_train import bench, checkpoint, results, sample, submit, train
+
+ROOT = Path(__file__).resolve().parent.parent
 
 COMMANDS = {"python -m dataprep": dataprep, "python -m flux_train.train": train.main,
             "python -m flux_train.submit": submit.main, "python -m flux_train.bench": bench.main,
@@ -73,3 +82,127 @@ def test_print_config_shows_defaults_and_overrides_resolved(capsys):
     assert printed["train"]["global_batch_size"] == 8  # the file itself
     assert printed["model"]["flavor"] == "flux-debug" and printed["model"]["num_layers"] == 2  # its defaults:
     assert printed["logging"]["mllog_stdout"] is False  # and the built-in defaults
+
+
+# ---------------------------------------------------------------------------------------------------
+# bad input: one line on stderr naming it and the fix, exit 2, no traceback; nothing written, no MLLOG run started
+
+TRAIN, SUBMIT, BENCH = "python -m flux_train.train", "python -m flux_train.submit", "python -m flux_train.bench"
+RESULTS, CHECKPOINT, DATAPREP = "python -m flux_train.results", "python -m flux_train.checkpoint", "python -m dataprep"
+DEBUG = ["--config", "{root}/configs/debug.yaml", "--set", "logging.out_dir={tmp}/out"]
+SYSTEM = ["--config", "{root}/configs/systems/cpu_02x02.yaml"]
+EXPORT = ["export", "--config", "{root}/configs/debug.yaml", "--out", "{tmp}/exported"]
+UNREACHABLE = "sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)"
+
+# (id, command, argv, what the line must contain); {root}: the repository, {tmp}: the test's folder, holding empty/
+# (an empty folder), notes.txt (a text file that is no config, table or log) and, where a row names it, arrow/
+# (MLCommons Arrow input of shape 4,2,2)
+BAD_INPUTS = [
+    ("train-no-such-config", TRAIN, [*DEBUG, "--config", "{tmp}/missing.yaml"], "{tmp}/missing.yaml; pass --config"),
+    ("train-config-not-a-mapping", TRAIN, [*DEBUG, "--config", "{tmp}/notes.txt"], "{tmp}/notes.txt: top level"),
+    ("train-unknown-flag", TRAIN, [*DEBUG, "--bogus"], "unrecognized arguments: --bogus"),
+    ("train-set-without-value", TRAIN, [*DEBUG, "--set", "train.lr"], "--set 'train.lr': expected section.key=value"),
+    ("train-unknown-section", TRAIN, [*DEBUG, "--set", "nosuchsection.x=1"], "unknown key 'nosuchsection'"),
+    ("train-unknown-key", TRAIN, [*DEBUG, "--set", "train.nosuchkey=1"], "unknown key 'train.nosuchkey'"),
+    ("train-not-a-number", TRAIN, [*DEBUG, "--set", "train.lr=abc"], "train.lr: expected a number"),
+    ("train-not-a-choice", TRAIN, [*DEBUG, "--set", "perf.compile=stack"], "perf.compile: 'stack' is not accepted"),
+    ("train-zero-batch", TRAIN, [*DEBUG, "--set", "train.global_batch_size=0"], "train.global_batch_size: must be > 0"),
+    ("train-val-larger-than-train", TRAIN, [*DEBUG, "--set", "data.source=synthetic", "--set",
+                                            "data.synthetic_val_samples=100"], "data.synthetic_val_samples 100 >"),
+    ("train-mesh-does-not-fit", TRAIN, [*DEBUG, "--set", "parallel.dp_shard=3"], "parallel.dp_shard=3 does not divide"),
+    ("train-resume-from-nothing", TRAIN, [*DEBUG, "--set", "checkpoint.resume={tmp}/empty"],
+     "checkpoint.resume={tmp}/empty: not a complete checkpoint"),
+    ("train-no-dataset", TRAIN, [*DEBUG, "--set", "data.source=energon", "--set", "data.path={tmp}/nowhere"],
+     "data.path {tmp}/nowhere does not exist"),
+    ("submit-no-config", SUBMIT, ["--nodes", "2"], "the following arguments are required: --config"),
+    ("submit-unknown-flag", SUBMIT, [*SYSTEM, "--bogus"], "unrecognized arguments: --bogus"),
+    ("submit-time-under-a-minute", SUBMIT, [*SYSTEM, "--time", "0:30"], "argument --time: must be at least 1 minute"),
+    ("submit-no-runs", SUBMIT, [*SYSTEM, "--runs", "0"], "argument --runs: must be >= 1"),
+    ("submit-dry-run-and-local", SUBMIT, [*SYSTEM, "--dry-run", "--local"], "argument --local: not allowed with"),
+    ("submit-runtime-without-image", SUBMIT, [*SYSTEM, "--runtime", "podman"], "podman needs an image"),
+    ("submit-mount-without-source", SUBMIT, [*SYSTEM, "--mounts", ":/data"], "container mount ':/data'"),
+    ("submit-mesh-does-not-fit", SUBMIT, [*SYSTEM, "--set", "parallel.dp_shard=3"], "parallel.dp_shard=3 does not"),
+    ("submit-no-slurm-controller", SUBMIT, SYSTEM,
+     "sbatch cannot reach the Slurm controller (Batch job submission failed: Unable to contact slurm controller"),
+    ("bench-no-such-config", BENCH, ["--config", "{tmp}/missing.yaml"], "{tmp}/missing.yaml"),
+    ("bench-no-such-table", BENCH, ["--table", "{tmp}/missing.jsonl"], "--table {tmp}/missing.jsonl: No such file"),
+    ("bench-table-not-rows", BENCH, ["--table", "{tmp}/notes.txt"], "--table {tmp}/notes.txt: line 1 is not a bench"),
+    ("bench-unknown-row", BENCH, ["--config", "{root}/configs/bench.yaml", "--rows", "fastest"],
+     "--rows: unknown row 'fastest'"),
+    ("bench-zero-steps", BENCH, ["--steps", "0"], "argument --steps: must be >= 1"),
+    ("results-no-such-run", RESULTS, ["{tmp}/nowhere"], "{tmp}/nowhere does not exist"),
+    ("results-no-log", RESULTS, ["{tmp}/empty"], "no readable MLLOG in {tmp}/empty"),
+    ("results-out-is-a-file", RESULTS, ["{tmp}/empty", "--out", "{tmp}/notes.txt"], "--out {tmp}/notes.txt is a file"),
+    ("results-no-run-given", RESULTS, [], "the following arguments are required: RUN_DIR"),
+    ("checkpoint-not-a-checkpoint", CHECKPOINT, [*EXPORT, "--checkpoint", "{tmp}/empty"],
+     "--checkpoint {tmp}/empty: no complete checkpoint there"),
+    ("checkpoint-no-such-config", CHECKPOINT, [*EXPORT, "--checkpoint", "{tmp}/empty", "--config",
+                                               "{tmp}/missing.yaml"], "{tmp}/missing.yaml"),
+    ("checkpoint-no-checkpoint-given", CHECKPOINT, EXPORT, "the following arguments are required: --checkpoint"),
+    ("checkpoint-unknown-command", CHECKPOINT, ["import"], "argument command: invalid choice: 'import'"),
+    ("dataprep-verify-no-such-root", DATAPREP, ["verify", "{tmp}/nowhere"], "{tmp}/nowhere: no such folder"),
+    ("dataprep-convert-no-such-input", DATAPREP, ["convert", "--train", "{tmp}/nowhere", "--out", "{tmp}/ds"],
+     "--train {tmp}/nowhere: not a Hugging Face save_to_disk dataset"),
+    ("dataprep-convert-nothing", DATAPREP, ["convert", "--out", "{tmp}/ds"], "nothing to convert: give --train"),
+    ("dataprep-bad-shape", DATAPREP, ["convert", "--train", "{tmp}/nowhere", "--out", "{tmp}/ds", "--shape", "4,2"],
+     "argument --shape: shape '4,2': expected three positive integers"),
+    ("dataprep-every-sample-skipped", DATAPREP, ["convert", "--train", "{tmp}/arrow/train", "--out", "{tmp}/ds",
+                                                 "--shape", "8,2,2", "--skip-bad", "--workers", "1"],
+     "{tmp}/ds/train: nothing converted: all 3 input samples were skipped as bad (the first: row 0 'train-0': t5: "
+     "shape [4, 4096], expected [8, 4096]; all listed in {tmp}/ds/.dataprep/train/skipped.tsv)"),
+    ("dataprep-unknown-command", DATAPREP, ["shuffle"], "argument command: invalid choice: 'shuffle'"),
+]
+
+
+def bad_input_world(tmp: Path, argv: list[str], monkeypatch) -> Path:
+    """The files the rows name, and Slurm commands that cannot reach a controller (so no row can queue a job);
+    returns the empty folder the command runs in."""
+    (tmp / "empty").mkdir()
+    (tmp / "notes.txt").write_text("not a config, a table or a log\n")
+    if any("{tmp}/arrow" in arg for arg in argv):
+        from dataprep.fixture import FixtureSpec, write_arrow
+
+        write_arrow(tmp / "arrow", FixtureSpec(train=3, val=0, text_len=4, height=2, width=2))
+    (tmp / "bin").mkdir()
+    for name in ("sbatch", "srun"):
+        (tmp / "bin" / name).write_text(f"#!/bin/sh\necho '{UNREACHABLE}' >&2\nexit 1\n")
+        (tmp / "bin" / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp / 'bin'}:{os.environ['PATH']}")
+    # a progress bar is not a message (convert draws one before it can know that every sample is bad)
+    monkeypatch.setattr(progress, "bar", lambda *args, **kwargs: tqdm(disable=True))
+    (tmp / "cwd").mkdir()
+    monkeypatch.chdir(tmp / "cwd")
+    return tmp / "cwd"
+
+
+@pytest.mark.parametrize("command,argv,expected", [row[1:] for row in BAD_INPUTS], ids=[row[0] for row in BAD_INPUTS])
+def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, tmp_path, monkeypatch, capsys):
+    cwd = bad_input_world(tmp_path, argv, monkeypatch)
+    capsys.readouterr()  # what making the inputs printed
+    fill = functools.partial(str.format, root=ROOT, tmp=tmp_path)
+    try:
+        code = COMMANDS[command]([fill(arg) for arg in argv])
+    except SystemExit as exc:  # argparse's exit
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert fill(expected) in err
+    assert [p for p in cwd.rglob("*") if p.is_file()] == []  # no plot, no runs/submitit/ pickles, ...
+    log = tmp_path / "out" / "mllog.log"
+    assert not (log.is_file() and "init_start" in log.read_text())  # the trainer started no MLLOG run
+
+
+def test_the_real_entry_points_report_bad_input_the_same(tmp_path):
+    """One row per command through `python -m`, side by side."""
+    ids = ["train-not-a-number", "submit-no-runs", "bench-zero-steps", "results-no-such-run",
+           "checkpoint-not-a-checkpoint", "dataprep-convert-nothing"]
+    (tmp_path / "empty").mkdir()
+    fill = functools.partial(str.format, root=ROOT, tmp=tmp_path)
+    procs = {}
+    for id_, command, argv, expected in (row for row in BAD_INPUTS if row[0] in ids):
+        procs[id_] = (subprocess.Popen([sys.executable, "-m", command.split()[-1], *map(fill, argv)], cwd=ROOT,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), fill(expected))
+    assert len(procs) == len(ids)
+    for id_, (proc, expected) in procs.items():
+        err = proc.communicate(timeout=120)[1].strip()
+        assert proc.returncode == 2 and err.splitlines() == [err] and expected in err, (id_, err)

@@ -149,6 +149,6 @@ def test_wrong_encoder_weights_stop_before_a_wrong_dataset(tiny_models, tmp_path
     args[args.index("--t5") + 1] = str(tmp_path / "t5-base-like")
     rc = main(["encode", "--split", "train", "--images", str(image_dir), "--captions", str(tsv),
                "--out", str(tmp_path / "ds"), "--vae", str(tiny_models / "vae"), *args])
-    assert rc == 1
+    assert rc == 2
     assert "the encoders produced t5: shape [256, 64], expected [256, 4096]" in capsys.readouterr().err
     assert not list((tmp_path / "ds" / "train").glob("*.tar*"))
