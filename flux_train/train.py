@@ -90,13 +90,14 @@ class Trainer:
         self.cfg = cfg
         self.out_dir = Path(cfg.logging.out_dir)
         self.dist = init_distributed(cfg.parallel, cfg.train.device, str(self.out_dir / "flight_recorder"))
-        self.heartbeat = Heartbeat(self.out_dir / "heartbeats", self.dist.rank)
         validate(cfg, self.dist.world_size)
         if cfg.preflight.enabled:
             preflight.run(cfg, self.dist.device, int(os.environ.get("LOCAL_RANK", 0)),
                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         self.resume_from = checkpoint.resolve_resume(cfg)
         self._check_before_init()
+        # from here on every rank says where it is (a bad input above has ended the run without a thread)
+        self.heartbeat = Heartbeat(self.out_dir / "heartbeats", self.dist.rank)
         if self.dist.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
