@@ -13,6 +13,8 @@ from flux_train.results import read_events
 from flux_train.preemption import EXIT_CODE as EXIT_PREEMPTED
 from run_outputs import column, losses
 
+pytestmark = pytest.mark.slow  # every test trains
+
 COMMON = ["--set", "data.source=synthetic", "--set", "eval.enabled=false", "--set", "logging.log_every=1", "--set", "train.warmup_steps=3",
           "--set", "train.caption_dropout_prob=0.1"]
 

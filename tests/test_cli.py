@@ -181,7 +181,7 @@ def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, t
     capsys.readouterr()  # what making the inputs printed
     fill = functools.partial(str.format, root=ROOT, tmp=tmp_path)
     try:
-        code = COMMANDS[command]([fill(arg) for arg in argv])
+        code = COMMANDS[command](list(map(fill, argv)))
     except SystemExit as exc:  # argparse's exit
         code = exc.code
     err = capsys.readouterr().err.strip()
@@ -192,6 +192,7 @@ def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, t
     assert not (log.is_file() and "init_start" in log.read_text())  # the trainer started no MLLOG run
 
 
+@pytest.mark.slow
 def test_the_real_entry_points_report_bad_input_the_same(tmp_path):
     """One row per command through `python -m`, side by side."""
     ids = ["train-not-a-number", "submit-no-runs", "bench-zero-steps", "results-no-such-run",

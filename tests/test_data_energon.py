@@ -107,6 +107,7 @@ RESUME = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_state_restored_in_a_fresh_process_continues_exactly(dataset, tmp_path, workers):
     ref = stream(dataset, rank=1, world=2, workers=workers)
@@ -137,6 +138,7 @@ def val_sample_ids():
             for i, r in enumerate(fixture_samples(SPEC, "val"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,workers", [(1, 0), (2, 0), (3, 0), (3, 2)])
 def test_val_covers_every_sample_once_with_equal_batches_per_rank(dataset, world, workers):
     ids, counted, batches = val_sample_ids(), [], []
@@ -160,6 +162,7 @@ def test_val_covers_every_sample_once_with_equal_batches_per_rank(dataset, world
     assert counted[::2] == counted[1::2]
 
 
+@pytest.mark.slow
 def test_val_rank_without_samples_runs_the_same_padded_batches(tmp_path):
     small = write_fixture(tmp_path / "small", FixtureSpec(train=4, val=2, text_len=2, height=2, width=2))
     passes = [list(EnergonVal(small, rank, 3, batch=4, num_workers=0)()) for rank in range(3)]
@@ -224,6 +227,7 @@ def test_a_sample_unlike_the_description_is_named_at_the_first_eval(dataset, tmp
                               f"verify {copy}`")
 
 
+@pytest.mark.slow
 def test_two_rank_training_reads_an_uneven_fixture_through_energon(tmp_path):
     """torchrun, 2 ranks, 13 val samples in batches of 4: ranks hold 7 and 6 samples, both run 2 forwards;
     the trainer checks that the eval counted all 13."""

@@ -41,6 +41,7 @@ def energon_samples(root, split):
     return list(get_loader(ds))
 
 
+@pytest.mark.slow
 def test_round_trip_arrow_convert_prepare_energon_is_byte_identical(tmp_path):
     inputs = write_arrow(tmp_path / "arrow", SPEC)
     out = tmp_path / "ds"
@@ -86,6 +87,7 @@ def digests(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.tar"))}
 
 
+@pytest.mark.slow
 def test_killed_convert_reruns_to_the_same_shards_without_partial_files(tmp_path):
     spec = FixtureSpec(train=40, val=0, text_len=256, height=2, width=2, samples_per_shard=2)
     inputs = write_arrow(tmp_path / "arrow", spec)

@@ -63,7 +63,7 @@ def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it
     shard = cc12m_shard(tmp_path / "cc12m-000.tar")
     train = ["encode", "--split", "train", "--wds", str(shard), "--out", str(out), "--vae", str(tiny_models / "vae"),
              *encoder_args(tiny_models), "--batch-size", "2"]
-    assert main(train) == 1  # the broken image stops it, named
+    assert main(train) == 2  # the broken image stops it, named (bad input: exit 2)
     assert "cc12m-000.tar:s2 (row 2): undecodable image" in capsys.readouterr().err
     assert main([*train, "--skip-bad"]) == 0
     printed = capsys.readouterr().out

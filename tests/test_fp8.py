@@ -96,6 +96,7 @@ def test_shapes_not_divisible_by_16_fall_back_to_bf16():
     assert torch.equal(linear(x, w, None, "rowwise"), F.linear(x, w))
 
 
+@pytest.mark.slow
 def test_fp8_debug_run_converges_like_bf16(tmp_path):
     """Convergence sanity: 50 debug steps with emulated FP8 GEMMs land where the full-precision run does."""
     from flux_train.train import main

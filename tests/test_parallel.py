@@ -36,6 +36,7 @@ def one_rank(tmp_path_factory):
     (2, ["--set", "parallel.strategy=ddp"]),  # + one reduce-scatter / all-gather per step after 2 micro-batches
     (2, ["--set", "parallel.strategy=ddp", "--set", "parallel.dp_replicate=2"]),  # + the shard all-reduce
 ], ids=["fsdp-hsdp", "ddp-1", "ddp-2", "ddp-hsdp"])
+@pytest.mark.slow
 def test_layouts_and_rank_counts_match_one_rank(tmp_path, one_rank, nproc, extra):
     """fp32 compute: every layout computes the same step, so losses, grad norms and val losses agree to fp32
     rounding (1e-4 relative over 6 steps)."""
@@ -52,6 +53,7 @@ def test_layouts_and_rank_counts_match_one_rank(tmp_path, one_rank, nproc, extra
     assert val2 == pytest.approx(val1, rel=2e-2)
 
 
+@pytest.mark.slow
 def test_bf16_ddp_step_tracks_the_fp32_reduce_fsdp_step(tmp_path):
     """bf16 compute: ddp (gradients summed in bf16 on 2 ranks, accumulated in bf16) against FSDP with fp32
     gradient reduction on one rank. Only rounding differs: bf16 has 8 bits of mantissa, so the losses of

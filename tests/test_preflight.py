@@ -3,6 +3,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from flux_train import preflight
 from flux_train.config import load_config
 
@@ -14,6 +16,7 @@ def train(out, *extra):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_missing_dataset_is_named_with_the_host_and_nothing_starts(tmp_path):
     proc = train(tmp_path / "run", "--set", "data.source=energon", "--set", f"data.path={tmp_path / 'no-such-data'}")
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -24,6 +27,7 @@ def test_missing_dataset_is_named_with_the_host_and_nothing_starts(tmp_path):
     assert not mllog.exists() or "init_start" not in mllog.read_text()
 
 
+@pytest.mark.slow
 def test_a_fit_node_passes_and_trains(tmp_path):
     proc = train(tmp_path / "run", "--set", "data.source=synthetic")
     assert proc.returncode == 0, proc.stderr[-2000:]

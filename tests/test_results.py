@@ -12,6 +12,8 @@ from mlperf_logging.rcp_checker import rcp_checker
 
 from flux_train import results
 
+pytestmark = pytest.mark.slow  # every test reads the training runs of the module fixture
+
 TRAIN = [sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml"]
 MINUTES = [5, 1, 9, 3, 7, 2, 8, 4, 6, 50]  # olympic mean: drop 1 and 50, mean of 2..9 = 5.5
 

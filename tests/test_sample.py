@@ -16,6 +16,8 @@ from flux_train.config import load_config
 from flux_train.diffusers_adapter import to_diffusers
 from flux_train.results import read_events
 
+pytestmark = pytest.mark.slow  # every test trains or reads a trained run
+
 PROMPTS = ["a photo of a cat", "a red dog on the green", "blue"]
 
 

@@ -22,6 +22,7 @@ def debug_run(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_debug_run_overfits_and_stops_with_success(debug_run):
     out, proc = debug_run
     rows = metrics(out)
@@ -36,6 +37,7 @@ def test_debug_run_overfits_and_stops_with_success(debug_run):
         assert key in rows[0], key
 
 
+@pytest.mark.slow
 def test_report_png_draws_the_numbers_of_metrics_jsonl_and_tensorboard_has_them(debug_run):
     out, _ = debug_run
     rows = metrics(out)
@@ -58,6 +60,7 @@ def test_report_png_draws_the_numbers_of_metrics_jsonl_and_tensorboard_has_them(
         assert [e.value for e in board.Scalars(tag)] == pytest.approx([r[tag] for r in logged], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_mllog_has_every_key_in_order(debug_run):
     out, _ = debug_run
     events = read_events(out / "mllog.log")
@@ -77,6 +80,7 @@ def test_mllog_has_every_key_in_order(debug_run):
     assert keys.index("init_start") < keys.index("init_stop") < keys.index("run_start") < keys.index("block_start")
 
 
+@pytest.mark.slow
 def test_terminal_shows_metrics_not_mllog_or_pin_memory_warnings(debug_run):
     out, proc = debug_run
     assert ":::MLLOG" not in proc.stdout and "step 25 loss" in proc.stdout
@@ -84,6 +88,7 @@ def test_terminal_shows_metrics_not_mllog_or_pin_memory_warnings(debug_run):
     assert "pin_memory" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_official_compliance_checker_accepts_the_log(debug_run):
     out, _ = debug_run
     proc = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
@@ -92,6 +97,7 @@ def test_official_compliance_checker_accepts_the_log(debug_run):
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_step_cap_ends_aborted_with_mllog_on_stdout_when_asked(tmp_path, capsys):
     # in-process, so the synthetic source: forking energon's loader workers from pytest's process is not safe
     rc = main(["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", f"logging.out_dir={tmp_path}",
@@ -111,6 +117,7 @@ def test_bad_config_exits_2_with_one_message(tmp_path, capsys):
     assert "train.global_batch_size 8 is not divisible by train.micro_batch_size 3" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_non_finite_step_stops_the_run_there_and_keeps_the_last_good_checkpoint(tmp_path, strategy):
     """A NaN loss at step 5 (checkpoints every 2 steps, logging every 10): the run stops at step 5, before step 6's
