@@ -270,3 +270,12 @@ def test_local_launcher_run_with_evals_on_the_energon_fixture_passes_the_checker
     assert [e["metadata"]["samples_count"] for e in events if e["key"] == "eval_accuracy"] == [100, 200]
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["samples_count"] == 200
     assert results.check_compliance(out / "mllog.log").failed_keys in ([], ["eval_accuracy"])
+
+
+def test_the_worker_leaves_with_the_trainers_exit_code():
+    """The worker skips the interpreter's teardown (os._exit) but keeps train.main's code: 0, or 2 for a bad input."""
+    run = [sys.executable, "-m", "flux_train.worker", "--config", "configs/debug.yaml"]
+    ok = subprocess.run([*run, "--print-config"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "flavor: flux-debug" in ok.stdout
+    bad = subprocess.run([*run, "--set", "train.lr=abc"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip() == "config error: train.lr: expected a number, got str 'abc'"
