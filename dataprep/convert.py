@@ -5,6 +5,7 @@ viewed as uint16) and timestep (int, val only). The npy bytes are copied unchang
 first (columns, npy header, dtype, shape, NaN/Inf, timestep, duplicate keys). Shards are converted in
 parallel by spawned worker processes, each opening the memory-mapped input itself.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -30,23 +31,30 @@ def open_input(path: Path, val: bool):
     try:
         ds = load_from_disk(str(path))
     except FileNotFoundError as exc:
-        raise DataprepError(f"--{'val' if val else 'train'} {path}: not a Hugging Face save_to_disk dataset ({exc}); "
-                            "give the folder that save_to_disk wrote") from None
+        raise DataprepError(
+            f"--{'val' if val else 'train'} {path}: not a Hugging Face save_to_disk dataset ({exc}); "
+            "give the folder that save_to_disk wrote"
+        ) from None
     if isinstance(ds, DatasetDict):
-        raise DataprepError(f"{path}: a DatasetDict with splits {list(ds)}; pass one split's folder, "
-                            f"e.g. {path / next(iter(ds))}")
+        raise DataprepError(
+            f"{path}: a DatasetDict with splits {list(ds)}; pass one split's folder, e.g. {path / next(iter(ds))}"
+        )
     assert isinstance(ds, Dataset)
     need = ["__key__", *COLUMNS] + (["timestep"] if val else [])
     missing = [c for c in need if c not in ds.column_names]
     if missing:
-        raise DataprepError(f"{path}: missing column(s) {missing}; found {ds.column_names}. Expected the MLCommons "
-                            f"preprocessed layout: __key__, t5_encodings, clip_encodings, mean, logvar"
-                            f"{', timestep (val)' if val else ''}")
+        raise DataprepError(
+            f"{path}: missing column(s) {missing}; found {ds.column_names}. Expected the MLCommons "
+            f"preprocessed layout: __key__, t5_encodings, clip_encodings, mean, logvar"
+            f"{', timestep (val)' if val else ''}"
+        )
     for column in COLUMNS:
         dtype = getattr(ds.features[column], "dtype", None)
         if dtype not in ("binary", "large_binary"):
-            raise DataprepError(f"{path}: column {column} has type {ds.features[column]}, expected binary "
-                                f"(np.save bytes of bf16 viewed as uint16)")
+            raise DataprepError(
+                f"{path}: column {column} has type {ds.features[column]}, expected binary "
+                f"(np.save bytes of bf16 viewed as uint16)"
+            )
     return ds
 
 
@@ -99,19 +107,22 @@ def _rows(job: ShardJob, skipped: list):
     for start in range(job.plan.start, job.plan.end, CHUNK_ROWS):
         if _worker["stop"].is_set():
             raise DataprepError("stopped")
-        chunk = table[start:min(start + CHUNK_ROWS, job.plan.end)]
+        chunk = table[start : min(start + CHUNK_ROWS, job.plan.end)]
         columns = {c: chunk.column(c).to_pylist() for c in ["__key__", *COLUMNS] + (["timestep"] if val else [])}
         nbytes = 0
         for j in range(chunk.num_rows):
             row, key = start + j, columns["__key__"][j]
             parts = {part: columns[c][j] for c, part in COLUMNS.items()}
             timestep = columns["timestep"][j] if val else None
-            problems = ([job.skip_rows[row]] if row in job.skip_rows else []) or \
-                check_sample(key, parts, timestep, val, job.shape)
+            problems = ([job.skip_rows[row]] if row in job.skip_rows else []) or check_sample(
+                key, parts, timestep, val, job.shape
+            )
             if problems:
                 if not job.skip_bad:
-                    raise DataprepError(f"{job.input}: row {row} (__key__ {key!r}): {'; '.join(problems)}; "
-                                        f"fix the input or pass --skip-bad")
+                    raise DataprepError(
+                        f"{job.input}: row {row} (__key__ {key!r}): {'; '.join(problems)}; "
+                        f"fix the input or pass --skip-bad"
+                    )
                 skipped.append([row, key, "; ".join(problems)])
                 continue
             nbytes += sum(len(b) for b in parts.values())
@@ -166,34 +177,58 @@ def _plan_split(name: str, path: Path, ds, root: Path, per_shard: int, shape: Sh
     first_key = val_first_key(root) if name == "val" else 0
     skip_rows = duplicate_rows(ds, path, skip_bad)
     writer = SplitWriter(root, name)
-    writer.start({"input": str(path.resolve()), "rows": len(ds), "first_key": first_key,
-                  "samples_per_shard": per_shard, "shape": str(shape)})
+    writer.start(
+        {
+            "input": str(path.resolve()),
+            "rows": len(ds),
+            "first_key": first_key,
+            "samples_per_shard": per_shard,
+            "shape": str(shape),
+        }
+    )
     done, jobs = [], []
     for plan in plan_shards(len(ds), per_shard):
         record = writer.finished(plan)
         if record:
             done.append(record)
         else:
-            jobs.append(ShardJob(plan, str(path), str(root), name, first_key, shape, skip_bad,
-                                 {r: why for r, why in skip_rows.items() if plan.start <= r < plan.end}))
+            jobs.append(
+                ShardJob(
+                    plan,
+                    str(path),
+                    str(root),
+                    name,
+                    first_key,
+                    shape,
+                    skip_bad,
+                    {r: why for r, why in skip_rows.items() if plan.start <= r < plan.end},
+                )
+            )
     return Split(name, path, ds, writer, first_key, done, jobs)
 
 
-def convert(root: Path, train: Optional[Path], val: Optional[Path], per_shard: int, shape: Shape, workers: int,
-            skip_bad: bool) -> None:
+def convert(
+    root: Path, train: Optional[Path], val: Optional[Path], per_shard: int, shape: Shape, workers: int, skip_bad: bool
+) -> None:
     """Convert the given splits into root/train and root/val, resuming a crashed run."""
     if train is None and val is None:
         raise DataprepError("nothing to convert: give --train and/or --val")
     if per_shard <= 0:
         raise DataprepError(f"--samples-per-shard {per_shard}: must be > 0")
     t0 = time.perf_counter()
-    inputs = [(name, path, open_input(path, name == "val")) for name, path in (("train", train), ("val", val))
-              if path is not None]  # every input checked before anything is written
+    inputs = [
+        (name, path, open_input(path, name == "val"))
+        for name, path in (("train", train), ("val", val))
+        if path is not None
+    ]  # every input checked before anything is written
     splits = [_plan_split(name, path, ds, root, per_shard, shape, skip_bad) for name, path, ds in inputs]
     jobs = [job for split in splits for job in split.jobs]
     workers = max(1, min(workers, len(jobs)))
-    bar = progress.bar(sum(len(s.ds) for s in splits), "convert " + "+".join(s.name for s in splits),
-                       initial=sum(r.end - r.start for s in splits for r in s.done))
+    bar = progress.bar(
+        sum(len(s.ds) for s in splits),
+        "convert " + "+".join(s.name for s in splits),
+        initial=sum(r.end - r.start for s in splits for r in s.done),
+    )
     with bar:
         new = _run_pool(jobs, workers, bar) if jobs else {}
     wall = time.perf_counter() - t0
@@ -207,20 +242,32 @@ def _summarize(split: Split, new: list[ShardRecord]) -> None:
     records = split.done + new
     skipped = [s for r in sorted(records, key=lambda r: r.index) for s in r.skipped]
     rows = len(split.ds)
-    progress.summary(f"convert {split.name}", [
-        ("input", f"{split.input} ({rows} rows)"),
-        ("output", f"{split.writer.dir} ({sum(1 for r in records if r.samples)} shards, "
-                   f"{sum(r.samples for r in records)} samples, keys {split.first_key}..{split.first_key + rows - 1})"),
-        ("this run", f"{len(new)} shards written, {len(split.done)} already finished (skipped)"),
-        ("skipped inputs", progress.skipped(skipped, split.writer.skipped_list)),
-    ])
+    progress.summary(
+        f"convert {split.name}",
+        [
+            ("input", f"{split.input} ({rows} rows)"),
+            (
+                "output",
+                f"{split.writer.dir} ({sum(1 for r in records if r.samples)} shards, "
+                f"{sum(r.samples for r in records)} samples, keys {split.first_key}..{split.first_key + rows - 1})",
+            ),
+            ("this run", f"{len(new)} shards written, {len(split.done)} already finished (skipped)"),
+            ("skipped inputs", progress.skipped(skipped, split.writer.skipped_list)),
+        ],
+    )
 
 
 def _summarize_rates(new: list[ShardRecord], workers: int, wall: float) -> None:
     written, mib = sum(r.samples for r in new), sum(r.bytes for r in new) / 2**20
     busy = sum(r.seconds for r in new) or 1e-9
-    progress.summary("convert throughput", [
-        ("total", f"{written} samples, {mib:.1f} MiB in {wall:.1f} s with {workers} workers: "
-                  f"{written / wall:.1f} samples/s, {mib / wall:.1f} MiB/s (start-up included)"),
-        ("per worker", f"{written / busy:.1f} samples/s, {mib / busy:.1f} MiB/s (while writing shards)"),
-    ])
+    progress.summary(
+        "convert throughput",
+        [
+            (
+                "total",
+                f"{written} samples, {mib:.1f} MiB in {wall:.1f} s with {workers} workers: "
+                f"{written / wall:.1f} samples/s, {mib / wall:.1f} MiB/s (start-up included)",
+            ),
+            ("per worker", f"{written / busy:.1f} samples/s, {mib / busy:.1f} MiB/s (while writing shards)"),
+        ],
+    )

@@ -6,6 +6,7 @@ key). Images are resized by the split's rule (train: shorter side to 256 + centr
 256x256), decoded on a thread pool one batch ahead of the encoders. Val samples get timestep k = row mod 8.
 Shards are written one at a time and resume like `convert`'s.
 """
+
 from __future__ import annotations
 
 import csv
@@ -112,8 +113,9 @@ class FolderInput:
             file = self.folder / entry["file_name"]
             key = entry[self.key_column] if self.key_column else Path(entry["file_name"]).stem
             problem = None if file.is_file() else f"image file {file} not found"
-            yield Raw(row, key, f"{self.tsv.name} row {row + 2}", file.read_bytes,
-                      (entry["caption"] or "").encode(), problem)
+            yield Raw(
+                row, key, f"{self.tsv.name} row {row + 2}", file.read_bytes, (entry["caption"] or "").encode(), problem
+            )
 
 
 def _prepare(raw: Raw, resize) -> tuple[Raw, Optional[torch.Tensor], Optional[str], Optional[str]]:
@@ -162,8 +164,15 @@ def encode(source, job: EncodeJob, text: TextEncoders, image: ImageEncoder, sett
     first_key = val_first_key(job.root) if val else 0
     rows_total = source.count()
     writer = SplitWriter(job.root, job.split)
-    writer.start({**settings, "rows": rows_total, "first_key": first_key, "samples_per_shard": job.per_shard,
-                  "resize": job.resize})
+    writer.start(
+        {
+            **settings,
+            "rows": rows_total,
+            "first_key": first_key,
+            "samples_per_shard": job.per_shard,
+            "resize": job.resize,
+        }
+    )
     resize = images.RESIZE[job.resize]
     rows, seen, records, new = source.rows(), {}, [], []
     bar = progress.bar(rows_total, f"encode {job.split}")
@@ -178,21 +187,28 @@ def encode(source, job: EncodeJob, text: TextEncoders, image: ImageEncoder, sett
                 bar.update(plan.end - plan.start)
                 continue
             skipped: list = []
-            samples = _encoded(_batches(shard_rows, job.batch_size, pool, resize), text, image, job, first_key,
-                               val, skipped, bar)
+            samples = _encoded(
+                _batches(shard_rows, job.batch_size, pool, resize), text, image, job, first_key, val, skipped, bar
+            )
             new.append(writer.write(plan, samples, skipped))
             records.append(new[-1])
     writer.finish(records)
     wall = time.perf_counter() - t0
     written = sum(r.samples for r in new)
     skipped = [s for r in records for s in r.skipped]
-    progress.summary(f"encode {job.split}", [
-        ("output", f"{writer.dir} ({sum(1 for r in records if r.samples)} shards, "
-                   f"{sum(r.samples for r in records)} samples, keys from {first_key})"),
-        ("this run", f"{len(new)} shards written, {len(records) - len(new)} already finished (skipped)"),
-        ("throughput", f"{written / max(wall, 1e-9):.1f} samples/s in {wall:.1f} s on {text.device}"),
-        ("skipped inputs", progress.skipped(skipped, writer.skipped_list)),
-    ])
+    progress.summary(
+        f"encode {job.split}",
+        [
+            (
+                "output",
+                f"{writer.dir} ({sum(1 for r in records if r.samples)} shards, "
+                f"{sum(r.samples for r in records)} samples, keys from {first_key})",
+            ),
+            ("this run", f"{len(new)} shards written, {len(records) - len(new)} already finished (skipped)"),
+            ("throughput", f"{written / max(wall, 1e-9):.1f} samples/s in {wall:.1f} s on {text.device}"),
+            ("skipped inputs", progress.skipped(skipped, writer.skipped_list)),
+        ],
+    )
 
 
 def _unique(rows: Iterator[Raw], seen: dict) -> Iterator[Raw]:
@@ -205,8 +221,9 @@ def _unique(rows: Iterator[Raw], seen: dict) -> Iterator[Raw]:
         yield raw
 
 
-def _encoded(batches, text: TextEncoders, image: ImageEncoder, job: EncodeJob, first_key: int, val: bool,
-             skipped: list, bar) -> Iterator[dict]:
+def _encoded(
+    batches, text: TextEncoders, image: ImageEncoder, job: EncodeJob, first_key: int, val: bool, skipped: list, bar
+) -> Iterator[dict]:
     for batch in batches:
         good = []
         for raw, tensor, caption, problem in batch:
@@ -220,11 +237,17 @@ def _encoded(batches, text: TextEncoders, image: ImageEncoder, job: EncodeJob, f
             t5, clip = text([caption for _, _, caption in good])
             mean, logvar = image(torch.stack([tensor for _, tensor, _ in good]))
             for i, (raw, _, _) in enumerate(good):
-                parts = {"t5": encode_bf16(t5[i]), "clip": encode_bf16(clip[i]), "mean": encode_bf16(mean[i]),
-                         "logvar": encode_bf16(logvar[i])}
+                parts = {
+                    "t5": encode_bf16(t5[i]),
+                    "clip": encode_bf16(clip[i]),
+                    "mean": encode_bf16(mean[i]),
+                    "logvar": encode_bf16(logvar[i]),
+                }
                 problems = check_sample(raw.key, parts, None, False, OUTPUT_SHAPE)
                 if problems:  # wrong weights (e.g. T5-base for T5-XXL) must not make a wrong dataset
-                    raise DataprepError(f"the encoders produced {'; '.join(problems)} for {raw.origin}; check that "
-                                        f"--vae/--t5/--clip are the Flux VAE, T5-v1.1-XXL and CLIP-L")
+                    raise DataprepError(
+                        f"the encoders produced {'; '.join(problems)} for {raw.origin}; check that "
+                        f"--vae/--t5/--clip are the Flux VAE, T5-v1.1-XXL and CLIP-L"
+                    )
                 yield tar_sample(first_key + raw.row, raw.key, parts, raw.row % EVAL_TIMESTEP_BINS if val else None)
         bar.update(len(batch))

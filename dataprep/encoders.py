@@ -1,6 +1,7 @@
 """The frozen encoders of the reference, from local paths only: Flux VAE (diffusers AutoencoderKL) posterior
 mean/logvar, T5 last hidden state (padded/truncated to 256 tokens), CLIP pooled output (77 tokens); and the
 command-line flags that name them (dataprep encode/empty-encodings, flux_train.sample)."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,17 +17,31 @@ T5_TOKENS, CLIP_TOKENS = 256, 77
 
 def add_encoder_arguments(p: argparse.ArgumentParser) -> None:
     """--t5/--clip and their tokenizers, --device, --dtype."""
-    p.add_argument("--t5", type=Path, required=True, help="local folder of the T5-v1.1-XXL encoder weights "
-                   "(FLUX.1-schnell: text_encoder_2/)")
-    p.add_argument("--t5-tokenizer", type=Path,
-                   help="its tokenizer folder (default: --t5; FLUX.1-schnell: tokenizer_2/)")
-    p.add_argument("--clip", type=Path, required=True, help="local folder of the CLIP-L text encoder (FLUX.1-schnell: "
-                   "text_encoder/)")
-    p.add_argument("--clip-tokenizer", type=Path,
-                   help="its tokenizer folder (default: --clip; FLUX.1-schnell: tokenizer/)")
+    p.add_argument(
+        "--t5",
+        type=Path,
+        required=True,
+        help="local folder of the T5-v1.1-XXL encoder weights (FLUX.1-schnell: text_encoder_2/)",
+    )
+    p.add_argument(
+        "--t5-tokenizer", type=Path, help="its tokenizer folder (default: --t5; FLUX.1-schnell: tokenizer_2/)"
+    )
+    p.add_argument(
+        "--clip",
+        type=Path,
+        required=True,
+        help="local folder of the CLIP-L text encoder (FLUX.1-schnell: text_encoder/)",
+    )
+    p.add_argument(
+        "--clip-tokenizer", type=Path, help="its tokenizer folder (default: --clip; FLUX.1-schnell: tokenizer/)"
+    )
     p.add_argument("--device", default="auto", help="auto (GPU if visible), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                   help="compute dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="compute dtype (default: bfloat16 on a GPU, float32 on the CPU)",
+    )
 
 
 def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
@@ -44,8 +59,10 @@ def pick_device(choice: str) -> torch.device:
 
 def _load(kind: str, path: Path, loader):
     if not Path(path).is_dir():
-        raise DataprepError(f"--{kind} {path}: not a folder; give the local folder of the weights (nothing "
-                            f"downloads), e.g. FLUX.1-schnell's vae/, text_encoder_2/ (T5) or text_encoder/ (CLIP)")
+        raise DataprepError(
+            f"--{kind} {path}: not a folder; give the local folder of the weights (nothing "
+            f"downloads), e.g. FLUX.1-schnell's vae/, text_encoder_2/ (T5) or text_encoder/ (CLIP)"
+        )
     try:
         return loader(str(path))
     except (OSError, ValueError) as exc:
@@ -53,8 +70,15 @@ def _load(kind: str, path: Path, loader):
 
 
 class TextEncoders:
-    def __init__(self, t5: Path, clip: Path, t5_tokenizer: Optional[Path], clip_tokenizer: Optional[Path],
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        t5: Path,
+        clip: Path,
+        t5_tokenizer: Optional[Path],
+        clip_tokenizer: Optional[Path],
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
         def model(cls):
@@ -76,9 +100,11 @@ class TextEncoders:
     @torch.no_grad()
     def __call__(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """T5 [B, 256, 4096] and CLIP pooled [B, 768], bf16 on the CPU. No attention mask (as the reference)."""
+
         def ids(tok, length):
-            return tok(captions, max_length=length, padding="max_length", truncation=True,
-                       return_tensors="pt").input_ids.to(self.device)
+            return tok(
+                captions, max_length=length, padding="max_length", truncation=True, return_tensors="pt"
+            ).input_ids.to(self.device)
 
         t5 = self.t5(input_ids=ids(self.t5_tok, T5_TOKENS)).last_hidden_state
         clip = self.clip(input_ids=ids(self.clip_tok, CLIP_TOKENS)).pooler_output
@@ -89,8 +115,11 @@ class ImageEncoder:
     def __init__(self, vae: Path, device: torch.device, dtype: torch.dtype):
         from diffusers import AutoencoderKL
 
-        self.vae = _load("vae", vae, lambda p: AutoencoderKL.from_pretrained(
-            p, local_files_only=True, torch_dtype=dtype).to(device).eval())
+        self.vae = _load(
+            "vae",
+            vae,
+            lambda p: AutoencoderKL.from_pretrained(p, local_files_only=True, torch_dtype=dtype).to(device).eval(),
+        )
         self.device, self.dtype = device, dtype
 
     @torch.no_grad()

@@ -5,6 +5,7 @@ copies the arrays of train sample i mod N under its own key (val keys continue a
 i mod 8, so a debug run can show that the trainer overfits. The same samples can instead be written as the
 MLCommons Hugging Face (Arrow) input of `convert`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -38,16 +39,20 @@ class FixtureSpec:
 
     @property
     def name(self) -> str:
-        return (f"train{self.train}-val{self.val}-L{self.text_len}-{self.height}x{self.width}-seed{self.seed}"
-                f"-shard{self.samples_per_shard}")
+        return (
+            f"train{self.train}-val{self.val}-L{self.text_len}-{self.height}x{self.width}-seed{self.seed}"
+            f"-shard{self.samples_per_shard}"
+        )
 
 
 def random_sample(shape: Shape, seed: int) -> dict[str, torch.Tensor]:
     """One sample of random bf16 parts: t5, clip, mean, then logvar around -4 from one generator, as the
     trainer's synthetic source draws them."""
     g = torch.Generator().manual_seed(seed)
-    return {part: (torch.randn(shape.of(part), generator=g) - (4.0 if part == "logvar" else 0.0)).to(torch.bfloat16)
-            for part in PARTS}
+    return {
+        part: (torch.randn(shape.of(part), generator=g) - (4.0 if part == "logvar" else 0.0)).to(torch.bfloat16)
+        for part in PARTS
+    }
 
 
 def fixture_samples(spec: FixtureSpec, split: str) -> Iterator[dict]:
@@ -60,8 +65,9 @@ def fixture_samples(spec: FixtureSpec, split: str) -> Iterator[dict]:
 
     if split == "train":
         return ({"key": f"train-{i}", "parts": parts(i), "timestep": None} for i in range(spec.train))
-    return ({"key": f"val-{i}", "parts": parts(i % spec.train), "timestep": i % EVAL_TIMESTEP_BINS}
-            for i in range(spec.val))
+    return (
+        {"key": f"val-{i}", "parts": parts(i % spec.train), "timestep": i % EVAL_TIMESTEP_BINS} for i in range(spec.val)
+    )
 
 
 def empty_encodings(spec: FixtureSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,13 +80,27 @@ def write_fixture(root: Path, spec: FixtureSpec) -> Path:
     first_key = 0
     for split, rows in (("train", spec.train), ("val", spec.val)):
         writer = SplitWriter(root, split)
-        writer.start({"input": "fixture", "rows": rows, "first_key": first_key,
-                      "samples_per_shard": spec.samples_per_shard,
-                      "shape": str(Shape(spec.text_len, spec.height, spec.width))})
+        writer.start(
+            {
+                "input": "fixture",
+                "rows": rows,
+                "first_key": first_key,
+                "samples_per_shard": spec.samples_per_shard,
+                "shape": str(Shape(spec.text_len, spec.height, spec.width)),
+            }
+        )
         samples = enumerate(fixture_samples(spec, split))
-        records = [writer.write(plan, (tar_sample(first_key + r, s["key"], s["parts"], s["timestep"])
-                                       for r, s in itertools.islice(samples, plan.end - plan.start)), [])
-                   for plan in plan_shards(rows, spec.samples_per_shard)]
+        records = [
+            writer.write(
+                plan,
+                (
+                    tar_sample(first_key + r, s["key"], s["parts"], s["timestep"])
+                    for r, s in itertools.islice(samples, plan.end - plan.start)
+                ),
+                [],
+            )
+            for plan in plan_shards(rows, spec.samples_per_shard)
+        ]
         writer.finish(records)
         first_key += rows
     write_empty_encodings(root / "empty_encodings", *empty_encodings(spec))
@@ -91,6 +111,7 @@ def write_fixture(root: Path, spec: FixtureSpec) -> Path:
 @dataclass(frozen=True)
 class FixtureSplit:
     """One split's samples, re-iterable and picklable: datasets pickles what builds a dataset to hash it."""
+
     spec: FixtureSpec
     split: str
 
@@ -115,16 +136,20 @@ def save_arrow(path: Path, samples: Iterable[dict], val: bool) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as cache:
         # small writer batches: a full-size sample is 2.1 MiB
-        Dataset.from_generator(rows, features=Features(features), cache_dir=cache, writer_batch_size=32
-                               ).save_to_disk(str(path))
+        Dataset.from_generator(rows, features=Features(features), cache_dir=cache, writer_batch_size=32).save_to_disk(
+            str(path)
+        )
     return path
 
 
 def write_arrow(root: Path, spec: FixtureSpec) -> dict[str, Path]:
     """The fixture as the input of `convert`: root/train and root/val (splits with samples)."""
     sizes = {"train": spec.train, "val": spec.val}
-    return {split: save_arrow(Path(root) / split, FixtureSplit(spec, split), split == "val")
-            for split, size in sizes.items() if size}
+    return {
+        split: save_arrow(Path(root) / split, FixtureSplit(spec, split), split == "val")
+        for split, size in sizes.items()
+        if size
+    }
 
 
 def ensure_fixture(root: Path, train: int, val: int, text_len: int, height: int, width: int, seed: int) -> Path:

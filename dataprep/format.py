@@ -9,6 +9,7 @@ only, k in 0..7) and KEY.t5.bytes [L, 4096], KEY.clip.bytes [768], KEY.mean.byte
 across train and val (val continues after train), with no dot. The empty encodings t5_empty.npy [1, L, 4096]
 and clip_empty.npy [1, 768] are float16 values, as the reference's save_empty_encodings.py writes them.
 """
+
 from __future__ import annotations
 
 import io
@@ -41,6 +42,7 @@ class DataprepError(Exception):
 @dataclass(frozen=True)
 class Shape:
     """Sample sizes: T5 text length L and latent height H, width W (the real data: 256, 32, 32)."""
+
     text_len: int = 256
     height: int = 32
     width: int = 32
@@ -57,9 +59,12 @@ class Shape:
         return shape
 
     def of(self, part: str) -> tuple[int, ...]:
-        return {"t5": (self.text_len, T5_DIM), "clip": (CLIP_DIM,),
-                "mean": (LATENT_CHANNELS, self.height, self.width),
-                "logvar": (LATENT_CHANNELS, self.height, self.width)}[part]
+        return {
+            "t5": (self.text_len, T5_DIM),
+            "clip": (CLIP_DIM,),
+            "mean": (LATENT_CHANNELS, self.height, self.width),
+            "logvar": (LATENT_CHANNELS, self.height, self.width),
+        }[part]
 
     def __str__(self) -> str:
         return f"{self.text_len},{self.height},{self.width}"
@@ -153,8 +158,9 @@ def check_sample(source_key, parts: dict, timestep, val: bool, shape: Optional[S
 
 def shape_of(parts: dict[str, bytes]) -> Shape:
     """L,H,W of a sample from its t5 and mean bytes."""
-    (text_len, _), (_, height, width) = (np.load(io.BytesIO(parts[p]), allow_pickle=False).shape
-                                         for p in ("t5", "mean"))
+    (text_len, _), (_, height, width) = (
+        np.load(io.BytesIO(parts[p]), allow_pickle=False).shape for p in ("t5", "mean")
+    )
     return Shape(text_len, height, width)
 
 
@@ -164,16 +170,22 @@ def shape_of(parts: dict[str, bytes]) -> Shape:
 @dataclass(frozen=True)
 class DatasetInfo:
     """What a dataset says about itself (METADATA): the sample shape and the samples and shards per split."""
+
     shape: Shape
     splits: dict  # split -> {"samples": n, "shards": n}
 
 
 def write_info(root: Path, info: DatasetInfo) -> Path:
     path = Path(root) / METADATA
-    described = {"shape": str(info.shape), "parts": {part: list(info.shape.of(part)) for part in PARTS},
-                 "splits": info.splits}
-    path.write_text("# written by `python -m dataprep prepare`; `verify` and the trainer check the data against it\n"
-                    + yaml.safe_dump(described, sort_keys=False, default_flow_style=None))
+    described = {
+        "shape": str(info.shape),
+        "parts": {part: list(info.shape.of(part)) for part in PARTS},
+        "splits": info.splits,
+    }
+    path.write_text(
+        "# written by `python -m dataprep prepare`; `verify` and the trainer check the data against it\n"
+        + yaml.safe_dump(described, sort_keys=False, default_flow_style=None)
+    )
     return path
 
 
@@ -186,8 +198,9 @@ def read_info(root: Path) -> Optional[DatasetInfo]:
         raw = yaml.safe_load(path.read_text())
         return DatasetInfo(Shape.parse(raw["shape"]), {s: dict(c) for s, c in raw["splits"].items()})
     except (yaml.YAMLError, DataprepError, KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise FormatError(f"{path}: unreadable ({type(exc).__name__}: {exc}); rewrite it with "
-                        f"`python -m dataprep prepare {root}`") from None
+        raise FormatError(
+            f"{path}: unreadable ({type(exc).__name__}: {exc}); rewrite it with `python -m dataprep prepare {root}`"
+        ) from None
 
 
 def write_empty_encodings(folder: Path, t5: torch.Tensor, clip: torch.Tensor) -> None:
@@ -204,12 +217,15 @@ def load_empty_encodings(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
     for name, ndim in ((EMPTY_T5, 3), (EMPTY_CLIP, 2)):
         file = folder / name
         if not file.is_file():
-            raise FormatError(f"{file}: missing; write it with `python -m dataprep empty-encodings` or point "
-                            f"data.empty_encodings at the folder holding {EMPTY_T5} and {EMPTY_CLIP}")
+            raise FormatError(
+                f"{file}: missing; write it with `python -m dataprep empty-encodings` or point "
+                f"data.empty_encodings at the folder holding {EMPTY_T5} and {EMPTY_CLIP}"
+            )
         array = np.load(file, allow_pickle=False)
         if array.dtype not in (np.float16, np.float32):
-            raise FormatError(f"{file}: dtype {array.dtype}, expected float16 values (as save_empty_encodings.py "
-                            f"writes them)")
+            raise FormatError(
+                f"{file}: dtype {array.dtype}, expected float16 values (as save_empty_encodings.py writes them)"
+            )
         if array.ndim != ndim or array.shape[0] != 1:
             raise FormatError(f"{file}: shape {list(array.shape)}, expected {ndim} dims with a leading 1")
         out.append(torch.from_numpy(array).to(torch.bfloat16))

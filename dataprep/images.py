@@ -1,4 +1,5 @@
 """Image decoding and the resize rules of the reference (docs/data-format.md)."""
+
 from __future__ import annotations
 
 import io

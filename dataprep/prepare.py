@@ -7,6 +7,7 @@ and `dataset.yaml` = CrudeWebdataset (the data is cooked by flux_train.energon_d
 `.nv-meta/flux_dataset.yaml` (format.METADATA): the sample shape, read from the first sample of each split,
 and the samples and shards per split.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,7 @@ from pathlib import Path
 import yaml
 
 from dataprep import progress
-from dataprep.format import (EMPTY_CLIP, EMPTY_T5, METADATA, DatasetInfo, DataprepError, Shape, shape_of,
-                             write_info)
+from dataprep.format import EMPTY_CLIP, EMPTY_T5, METADATA, DatasetInfo, DataprepError, Shape, shape_of, write_info
 from dataprep.shards import INDEX, PARTIAL
 
 SPLITS = ("train", "val")
@@ -33,16 +33,19 @@ def split_shards(root: Path, split: str) -> list[str]:
         return []
     partial = sorted(p.name for p in folder.glob("*" + PARTIAL))
     if partial:
-        raise DataprepError(f"{folder}: unfinished shards {partial}; rerun the convert/encode command to finish "
-                            f"them before prepare")
+        raise DataprepError(
+            f"{folder}: unfinished shards {partial}; rerun the convert/encode command to finish them before prepare"
+        )
     on_disk = sorted(p.name for p in folder.glob("*.tar"))
     index = folder / INDEX
     if index.is_file():
         listed = [line.strip() for line in index.read_text().splitlines() if line.strip()]
         if sorted(listed) != on_disk:
-            raise DataprepError(f"{index} lists {len(listed)} shards but {folder} holds {len(on_disk)} .tar files "
-                                f"(missing: {sorted(set(listed) - set(on_disk))[:5]}, unlisted: "
-                                f"{sorted(set(on_disk) - set(listed))[:5]}); finish or redo the conversion")
+            raise DataprepError(
+                f"{index} lists {len(listed)} shards but {folder} holds {len(on_disk)} .tar files "
+                f"(missing: {sorted(set(listed) - set(on_disk))[:5]}, unlisted: "
+                f"{sorted(set(on_disk) - set(listed))[:5]}); finish or redo the conversion"
+            )
         on_disk = listed
     return [f"{split}/{name}" for name in on_disk]
 
@@ -59,13 +62,16 @@ def first_sample_shape(root: Path, tar: str) -> Shape:
             if ext in ("t5.bytes", "mean.bytes"):
                 parts[ext.split(".")[0]] = stream.extractfile(member).read()
     if len(parts) != 2:
-        raise DataprepError(f"{root / tar}: the first sample ({key}) has no t5.bytes or mean.bytes member; check the "
-                            f"shards with `python -m dataprep verify {root}`")
+        raise DataprepError(
+            f"{root / tar}: the first sample ({key}) has no t5.bytes or mean.bytes member; check the "
+            f"shards with `python -m dataprep verify {root}`"
+        )
     try:
         return shape_of(parts)
     except ValueError as exc:
-        raise DataprepError(f"{root / tar}: sample {key}: t5/mean are not [L, 4096] / [16, H, W] arrays ({exc})") \
-            from None
+        raise DataprepError(
+            f"{root / tar}: sample {key}: t5/mean are not [L, 4096] / [16, H, W] arrays ({exc})"
+        ) from None
 
 
 def describe(root: Path, tars: list[str], counts: dict) -> DatasetInfo:
@@ -73,9 +79,11 @@ def describe(root: Path, tars: list[str], counts: dict) -> DatasetInfo:
     firsts = {split: next(t for t in tars if t.startswith(split + "/")) for split in counts if counts[split]["shards"]}
     shapes = {split: first_sample_shape(root, tar) for split, tar in firsts.items()}
     if len(set(shapes.values())) > 1:
-        raise DataprepError(f"{root}: the splits hold samples of different shapes (L,H,W: "
-                            f"{', '.join(f'{firsts[s]}: {shape}' for s, shape in shapes.items())}); one dataset "
-                            f"holds one shape: rewrite the odd split")
+        raise DataprepError(
+            f"{root}: the splits hold samples of different shapes (L,H,W: "
+            f"{', '.join(f'{firsts[s]}: {shape}' for s, shape in shapes.items())}); one dataset "
+            f"holds one shape: rewrite the odd split"
+        )
     return DatasetInfo(next(iter(shapes.values())), counts)
 
 
@@ -95,27 +103,46 @@ def prepare(root: Path, workers: int = 8, quiet: bool = False) -> dict:
         # energon prints its steps to stdout; the return type differs between versions (7.1: a tuple, 7.4: a
         # set) and nothing is needed from it
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-            BaseWebdatasetFactory.prepare_dataset(root, tars, split_parts_patterns=[(s, f"{s}/.*") for s in SPLITS],
-                                                  shuffle_seed=None, workers=max(1, workers), progress_fn=progress_fn)
+            BaseWebdatasetFactory.prepare_dataset(
+                root,
+                tars,
+                split_parts_patterns=[(s, f"{s}/.*") for s in SPLITS],
+                shuffle_seed=None,
+                workers=max(1, workers),
+                progress_fn=progress_fn,
+            )
     except SystemExit:  # energon >= 7.3 exits on duplicate keys, even from the API
         raise DataprepError(
             f"{root}: energon refused the dataset because sample keys repeat across shards (see its message "
             f"above). NVIDIA's to_webdataset.py restarts keys at 00000000 in val/; reconvert with `python -m "
-            f"dataprep convert`, whose keys are unique across train and val") from None
+            f"dataprep convert`, whose keys are unique across train and val"
+        ) from None
     (root / ".nv-meta" / "dataset.yaml").write_text(yaml.safe_dump(DATASET_YAML, sort_keys=False))
     counts = json.loads((root / ".nv-meta" / ".info.json").read_text())["shard_counts"]
-    result = {s: {"shards": sum(1 for t in counts if t.startswith(s + "/")),
-                  "samples": sum(n for t, n in counts.items() if t.startswith(s + "/"))} for s in SPLITS}
+    result = {
+        s: {
+            "shards": sum(1 for t in counts if t.startswith(s + "/")),
+            "samples": sum(n for t, n in counts.items() if t.startswith(s + "/")),
+        }
+        for s in SPLITS
+    }
     info = describe(root, tars, result)
     write_info(root, info)
     if not quiet:
         empty = root / "empty_encodings"
         has_empty = (empty / EMPTY_T5).is_file() and (empty / EMPTY_CLIP).is_file()
-        progress.summary("prepare", [
-            ("dataset", f"{root} (CrudeWebdataset)"),
-            *[(s, f"{c['shards']} shards, {c['samples']} samples") for s, c in result.items()],
-            ("sample shape", f"L,H,W {info.shape} (recorded in {root / METADATA} with the counts)"),
-            ("empty encodings", str(empty) if has_empty else
-             f"MISSING in {empty}: write them with `python -m dataprep empty-encodings` or copy them there"),
-        ])
+        progress.summary(
+            "prepare",
+            [
+                ("dataset", f"{root} (CrudeWebdataset)"),
+                *[(s, f"{c['shards']} shards, {c['samples']} samples") for s, c in result.items()],
+                ("sample shape", f"L,H,W {info.shape} (recorded in {root / METADATA} with the counts)"),
+                (
+                    "empty encodings",
+                    str(empty)
+                    if has_empty
+                    else f"MISSING in {empty}: write them with `python -m dataprep empty-encodings` or copy them there",
+                ),
+            ],
+        )
     return result

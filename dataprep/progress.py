@@ -1,4 +1,5 @@
 """Progress bars (rate and ETA) and end-of-run summaries, the same for every subcommand."""
+
 from __future__ import annotations
 
 import sys
@@ -7,8 +8,16 @@ from tqdm import tqdm
 
 
 def bar(total, desc: str, unit: str = "sample", initial: int = 0, iterable=None) -> tqdm:
-    return tqdm(iterable, total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True,
-                smoothing=0.05, file=sys.stderr)
+    return tqdm(
+        iterable,
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit=unit,
+        dynamic_ncols=True,
+        smoothing=0.05,
+        file=sys.stderr,
+    )
 
 
 def human_bytes(n: float) -> str:

@@ -6,6 +6,7 @@ when its record exists, so a crash anywhere leaves at worst a partial file that 
 redoes. Shard i holds input rows [i*S, (i+1)*S) minus skipped ones, and sample keys are first_key + row,
 so a rerun writes the same bytes (tar mtime 0) whatever was finished before.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,10 @@ def val_first_key(root: Path) -> int:
     """Val keys continue after the train keys, so they are taken from the finished train conversion."""
     settings = SplitWriter(root, "train").settings()
     if settings is None:
-        raise DataprepError(f"{root}: no train split written by dataprep; val keys continue after the train keys, "
-                            f"so write --train into the same --out first (or both in one call)")
+        raise DataprepError(
+            f"{root}: no train split written by dataprep; val keys continue after the train keys, "
+            f"so write --train into the same --out first (or both in one call)"
+        )
     return settings["first_key"] + settings["rows"]
 
 
@@ -84,8 +87,10 @@ class SplitWriter:
             changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
             if changed:
                 what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
-                raise DataprepError(f"{self.dir} was started with other settings ({what}); rerun with the original "
-                                    f"settings to finish it, or delete {self.dir} and {self.book}")
+                raise DataprepError(
+                    f"{self.dir} was started with other settings ({what}); rerun with the original "
+                    f"settings to finish it, or delete {self.dir} and {self.book}"
+                )
         else:
             _write_json_atomic(saved, settings)
         for stale in list(self.dir.glob("*" + PARTIAL)) + list(self.book.glob("*" + PARTIAL)):
@@ -144,9 +149,11 @@ class SplitWriter:
             skipped.unlink(missing_ok=True)
         if rows and not names:
             row, key, why = rows[0]
-            raise DataprepError(f"{self.dir}: nothing converted: all {len(rows)} input samples were skipped as bad "
-                                f"(the first: row {row} {key!r}: {why}; all listed in {skipped}); fix the input or the "
-                                f"options (--shape?), delete {self.dir} and {self.book}, and rerun")
+            raise DataprepError(
+                f"{self.dir}: nothing converted: all {len(rows)} input samples were skipped as bad "
+                f"(the first: row {row} {key!r}: {why}; all listed in {skipped}); fix the input or the "
+                f"options (--shape?), delete {self.dir} and {self.book}, and rerun"
+            )
 
     @property
     def skipped_list(self) -> Path:

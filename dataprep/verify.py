@@ -7,6 +7,7 @@ bits), the dataset's shape and no NaN/Inf, and val samples a timestep 0..7; keys
 the recorded ones; the empty encodings exist with matching shapes. Prints counts per split and per timestep;
 any defect makes the command exit non-zero with the defect named.
 """
+
 from __future__ import annotations
 
 import tarfile
@@ -18,13 +19,34 @@ from typing import Optional
 
 import numpy as np
 import yaml
-from megatron.energon import (Cooker, CrudeSample, DefaultTaskEncoder, WorkerConfig, basic_sample_keys, get_loader,
-                              get_val_dataset)
+from megatron.energon import (
+    Cooker,
+    CrudeSample,
+    DefaultTaskEncoder,
+    WorkerConfig,
+    basic_sample_keys,
+    get_loader,
+    get_val_dataset,
+)
 from megatron.energon.errors import reraise_exception
 
 from dataprep import progress
-from dataprep.format import (CLIP_DIM, EMPTY_CLIP, EMPTY_T5, METADATA, PARTS, T5_DIM, DataprepError, DatasetInfo,
-                             FormatError, Shape, check_sample, read_info, sample_meta, sample_where)
+from dataprep.format import (
+    CLIP_DIM,
+    EMPTY_CLIP,
+    EMPTY_T5,
+    METADATA,
+    PARTS,
+    T5_DIM,
+    DataprepError,
+    DatasetInfo,
+    FormatError,
+    Shape,
+    check_sample,
+    read_info,
+    sample_meta,
+    sample_where,
+)
 from dataprep.prepare import DATASET_YAML, SPLITS
 from dataprep.shards import INDEX
 
@@ -35,6 +57,7 @@ warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true 
 @dataclass
 class SampleChecker:
     """Cooker that checks a crude sample in the loader's workers and returns only a small report."""
+
     shape: Optional[Shape]  # None: the shape is unknown and not checked
     val: bool
     __stateless__ = True  # what energon's @stateless sets: a pure function of the sample
@@ -49,8 +72,9 @@ class SampleChecker:
             problems.append("json: missing")
         parts = {part: sample.get(f"{part}.bytes") for part in PARTS}
         problems += check_sample(meta.get("key", "?"), parts, meta.get("timestep"), self.val, self.shape)
-        return CrudeSample(**basic_sample_keys(sample), problems=problems, timestep=meta.get("timestep"),
-                           where=sample_where(sample))
+        return CrudeSample(
+            **basic_sample_keys(sample), problems=problems, timestep=meta.get("timestep"), where=sample_where(sample)
+        )
 
 
 class CheckEncoder(DefaultTaskEncoder):
@@ -96,8 +120,10 @@ def dataset_info(root: Path, asserted: Optional[Shape], report: Report) -> Optio
         report.defect(str(exc))
         return None
     if info is None:
-        report.defect(f"{root / METADATA}: missing, so the sample shape is unknown; run `python -m dataprep prepare "
-                      f"{root}` (it records the shape and counts)")
+        report.defect(
+            f"{root / METADATA}: missing, so the sample shape is unknown; run `python -m dataprep prepare "
+            f"{root}` (it records the shape and counts)"
+        )
     elif asserted is not None and asserted != info.shape:
         report.defect(f"{root / METADATA}: the dataset's samples are L,H,W {info.shape}, --shape expects {asserted}")
     return info
@@ -120,18 +146,25 @@ def check_tars(root: Path, split: str, report: Report) -> None:
                 end = max((m.offset_data + m.size for m in t), default=0)
             need = -(-end // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE + 2 * tarfile.BLOCKSIZE
             if need > tar.stat().st_size:
-                raise tarfile.ReadError(f"member data and end marker need {need} bytes, the file has "
-                                        f"{tar.stat().st_size}")
+                raise tarfile.ReadError(
+                    f"member data and end marker need {need} bytes, the file has {tar.stat().st_size}"
+                )
         except (tarfile.TarError, OSError) as exc:
             report.defect(f"{tar}: truncated or corrupt tar ({exc})")
 
 
-def check_samples(root: Path, split: str, shape: Optional[Shape], recorded: Optional[int], workers: int,
-                  report: Report) -> None:
+def check_samples(
+    root: Path, split: str, shape: Optional[Shape], recorded: Optional[int], workers: int, report: Report
+) -> None:
     """Every sample of the split against `shape`; `recorded` is the sample count the metadata gives."""
     worker_config = WorkerConfig(rank=0, world_size=1, num_workers=workers, global_error_handler=reraise_exception)
-    dataset = get_val_dataset(root, split_part=split, worker_config=worker_config, batch_size=None,
-                              task_encoder=CheckEncoder(SampleChecker(shape, split == "val")))
+    dataset = get_val_dataset(
+        root,
+        split_part=split,
+        worker_config=worker_config,
+        batch_size=None,
+        task_encoder=CheckEncoder(SampleChecker(shape, split == "val")),
+    )
     keys, timesteps = set(), Counter()
     try:
         for sample in progress.bar(len(dataset), f"verify {split}", iterable=get_loader(dataset)):
@@ -143,13 +176,16 @@ def check_samples(root: Path, split: str, shape: Optional[Shape], recorded: Opti
             report.defects.extend(f"{sample['where']}: {p}" for p in sample["problems"])
             timesteps[sample["timestep"]] += 1
     except Exception as exc:  # noqa: BLE001 - energon reports unreadable shards with many exception types
-        report.defect(f"{root / split}: reading through energon failed after {len(keys)} samples: "
-                      f"{type(exc).__name__}: {exc}")
+        report.defect(
+            f"{root / split}: reading through energon failed after {len(keys)} samples: {type(exc).__name__}: {exc}"
+        )
     if len(keys) != len(dataset):
         report.defect(f"{root / split}: energon's index has {len(dataset)} samples, {len(keys)} were read")
     if recorded is not None and recorded != len(keys):
-        report.defect(f"{root / METADATA}: records {recorded} {split} samples, {len(keys)} were read; rerun "
-                      f"`python -m dataprep prepare {root}`")
+        report.defect(
+            f"{root / METADATA}: records {recorded} {split} samples, {len(keys)} were read; rerun "
+            f"`python -m dataprep prepare {root}`"
+        )
     report.counts[split] = len(keys)
     report.timesteps[split] = timesteps
 
@@ -178,16 +214,24 @@ def verify(root: Path, asserted: Optional[Shape], workers: int) -> Report:
     shape = info.shape if info else asserted
     for split in splits:
         check_tars(root, split, report)
-        check_samples(root, split, shape, info.splits.get(split, {}).get("samples") if info else None, workers,
-                      report)
+        check_samples(root, split, shape, info.splits.get(split, {}).get("samples") if info else None, workers, report)
     check_empty(root, shape, report)
-    rows = [("sample shape", f"L,H,W {shape} ({'recorded in the dataset' if info else 'from --shape'})" if shape
-             else "unknown (not checked)")]
+    rows = [
+        (
+            "sample shape",
+            f"L,H,W {shape} ({'recorded in the dataset' if info else 'from --shape'})"
+            if shape
+            else "unknown (not checked)",
+        )
+    ]
     rows += [(split, f"{n} samples") for split, n in report.counts.items()]
     if report.timesteps.get("val"):
-        rows.append(("val per timestep", ", ".join(f"{k}: {n}" for k, n in sorted(report.timesteps["val"].items(),
-                                                                                  key=lambda kv: str(kv[0])))))
-    rows.append(("defects", f"{len(report.defects)}\n" + progress.listed(report.defects) if report.defects
-                 else "none"))
+        rows.append(
+            (
+                "val per timestep",
+                ", ".join(f"{k}: {n}" for k, n in sorted(report.timesteps["val"].items(), key=lambda kv: str(kv[0]))),
+            )
+        )
+    rows.append(("defects", f"{len(report.defects)}\n" + progress.listed(report.defects) if report.defects else "none"))
     progress.summary(f"verify {root}", rows)
     return report

@@ -20,6 +20,7 @@ the same mode and batch, and for step rows the step efficiency = step samples/s 
 samples/s of the same precision and micro-batch (an `ours` fwdbwd row in the same file). Run the rows of one
 comparison in one GPU session: the stock rows move several per cent from one machine to the next.
 """
+
 from __future__ import annotations
 
 import gc
@@ -41,8 +42,18 @@ from flux_train.errors import Parser, UserError, positive_int, reports_user_erro
 from flux_train.model import build_model, flops_per_sample, init_weights
 from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
 
-FWDBWD_ROWS = ("stock-eager", "stock", "ours", "ours-fp8-tensorwise", "ours-fp8-rowwise", "torchao-fp8-tensorwise",
-               "torchao-fp8-rowwise", "ours-no-graphs", "ours-no-compile", "ours-torch-rmsnorm")
+FWDBWD_ROWS = (
+    "stock-eager",
+    "stock",
+    "ours",
+    "ours-fp8-tensorwise",
+    "ours-fp8-rowwise",
+    "torchao-fp8-tensorwise",
+    "torchao-fp8-rowwise",
+    "ours-no-graphs",
+    "ours-no-compile",
+    "ours-torch-rmsnorm",
+)
 STEP_ROWS = ("stock", "ours")
 
 
@@ -56,7 +67,7 @@ def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
     for _ in range(iters):
         a @ b
     torch.cuda.synchronize()
-    return 2 * n ** 3 * iters / (time.perf_counter() - t0) / 1e12
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
 
 
 def synthetic_inputs(cfg: Config, batch: int, text_len: int, latent: int) -> tuple[dict, torch.Tensor]:
@@ -65,14 +76,27 @@ def synthetic_inputs(cfg: Config, batch: int, text_len: int, latent: int) -> tup
     samples = synthetic_samples(batch, text_len, latent, latent, m.joint_attention_dim, m.pooled_projection_dim, 0)
     samples = {k: v.cuda() for k, v in samples.items()}
     g = torch.Generator(device="cuda").manual_seed(0)
-    inputs, target = flow.build_inputs(samples, torch.rand(batch, device="cuda", generator=g), g,
-                                       cfg.train.latent_shift, cfg.train.latent_scale, torch.bfloat16)
+    inputs, target = flow.build_inputs(
+        samples,
+        torch.rand(batch, device="cuda", generator=g),
+        g,
+        cfg.train.latent_shift,
+        cfg.train.latent_scale,
+        torch.bfloat16,
+    )
     return inputs.as_kwargs(), target
 
 
 def as_diffusers_kwargs(kw: dict) -> dict:
-    return dict(hidden_states=kw["img"], encoder_hidden_states=kw["txt"], pooled_projections=kw["y"],
-                timestep=kw["timesteps"], img_ids=kw["img_ids"], txt_ids=kw["txt_ids"], return_dict=False)
+    return dict(
+        hidden_states=kw["img"],
+        encoder_hidden_states=kw["txt"],
+        pooled_projections=kw["y"],
+        timestep=kw["timesteps"],
+        img_ids=kw["img_ids"],
+        txt_ids=kw["txt_ids"],
+        return_dict=False,
+    )
 
 
 def timed(step, steps: int, warmup: int = 3) -> tuple[float, float]:
@@ -102,13 +126,15 @@ def free_memory() -> None:
 # ------------------------------------------------------------------------------------ GPU time by kind
 
 # first match wins: attention kernels carry cutlass in their names, our AdamW kernel "adamw"
-KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha")),
-                ("optimizer + clip", ("adamw", "adam", "multi_tensor", "foreach", "norm_kernel", "reduce_kernel",
-                                      "lerp")),
-                ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
-                ("fp8 casts", ("amax", "float8", "fp8")),
-                ("copies (fsdp/ddp buffers)", ("chunk_cat", "split_with_sizes", "copy", "catarray")),
-                ("elementwise (triton)", ("triton",)))
+KERNEL_KINDS = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha")),
+    ("optimizer + clip", ("adamw", "adam", "multi_tensor", "foreach", "norm_kernel", "reduce_kernel", "lerp")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
+    ("fp8 casts", ("amax", "float8", "fp8")),
+    ("copies (fsdp/ddp buffers)", ("chunk_cat", "split_with_sizes", "copy", "catarray")),
+    ("elementwise (triton)", ("triton",)),
+)
 
 
 def profile_breakdown(run, steps: int = 3) -> dict:
@@ -148,6 +174,7 @@ def profile_breakdown(run, steps: int = 3) -> dict:
 
 # ------------------------------------------------------------------------------------ one GPU, fwd + bwd
 
+
 def stock_flux(cfg: Config, device: str):
     from diffusers import FluxTransformer2DModel
 
@@ -166,9 +193,12 @@ def fwdbwd_model(cfg: Config, row: str):
     if "-fp8-" in row:
         impl, _, recipe = row.partition("-fp8-")
         perf = replace(perf, fp8=recipe, fp8_impl=impl)
-    perf = replace(perf, cuda_graphs=perf.cuda_graphs and row != "ours-no-graphs",
-                   compile="none" if row == "ours-no-compile" else perf.compile,
-                   rmsnorm="torch" if row == "ours-torch-rmsnorm" else perf.rmsnorm)
+    perf = replace(
+        perf,
+        cuda_graphs=perf.cuda_graphs and row != "ours-no-graphs",
+        compile="none" if row == "ours-no-compile" else perf.compile,
+        rmsnorm="torch" if row == "ours-torch-rmsnorm" else perf.rmsnorm,
+    )
     model = build_model(cfg.model, perf.rmsnorm)
     model.to_empty(device="cuda")
     init_weights(model, seed=0)
@@ -199,9 +229,16 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
         seconds, warm = timed(run, args.steps)
     except torch.OutOfMemoryError:
         return {"mode": "fwdbwd", "row": row, "batch": args.batch, "error": "out of memory"}
-    result = {"mode": "fwdbwd", "row": row, "batch": args.batch, "precision": precision_of(row, cfg),
-              "ms": round(seconds * 1000, 1), "samples_s_per_gpu": round(args.batch / seconds, 2),
-              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "warm_s": round(warm, 1)}
+    result = {
+        "mode": "fwdbwd",
+        "row": row,
+        "batch": args.batch,
+        "precision": precision_of(row, cfg),
+        "ms": round(seconds * 1000, 1),
+        "samples_s_per_gpu": round(args.batch / seconds, 2),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        "warm_s": round(warm, 1),
+    }
     if args.profile:
         result["profile"] = profile_breakdown(run)
     return result
@@ -215,6 +252,7 @@ def precision_of(row: str, cfg: Config) -> str:
 
 # ------------------------------------------------------------------------------------ training step
 
+
 def run_step(cfg: Config, args, row: str) -> dict:
     world = dist.get_world_size()
     mb = cfg.train.micro_batch_size
@@ -225,13 +263,23 @@ def run_step(cfg: Config, args, row: str) -> dict:
             base |= {"precision": "bf16", "label": "stock diffusers + FSDP2 (per-block compile, fused AdamW)"}
         else:
             seconds, warm, profile, eval_rate = trainer_step(cfg, args)
-            base |= {"precision": precision_of("ours", cfg), "eval_samples_s_per_gpu": eval_rate,
-                     "label": (f"ours {cfg.parallel.strategy}" + (" + graphs" if cfg.perf.cuda_graphs else "")
-                               + (f", accumulation {args.accum}" if args.accum > 1 else ""))}
+            base |= {
+                "precision": precision_of("ours", cfg),
+                "eval_samples_s_per_gpu": eval_rate,
+                "label": (
+                    f"ours {cfg.parallel.strategy}"
+                    + (" + graphs" if cfg.perf.cuda_graphs else "")
+                    + (f", accumulation {args.accum}" if args.accum > 1 else "")
+                ),
+            }
     except torch.OutOfMemoryError:
         return base | {"error": "out of memory"}
-    base |= {"ms": round(seconds * 1000, 1), "samples_s_per_gpu": round(mb * args.accum / seconds, 2),
-             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "warm_s": round(warm, 1)}
+    base |= {
+        "ms": round(seconds * 1000, 1),
+        "samples_s_per_gpu": round(mb * args.accum / seconds, 2),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        "warm_s": round(warm, 1),
+    }
     if profile:
         base["profile"] = profile
     return base
@@ -245,8 +293,9 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, dict | None, float]:
     cfg.data.source = "synthetic"
     cfg.data.synthetic_text_len, cfg.data.synthetic_latent_size = args.text_len, args.latent
     cfg.perf.warmup_latent_size = args.latent
-    cfg.data.synthetic_train_samples = cfg.data.synthetic_val_samples = max(cfg.train.micro_batch_size * 2,
-                                                                            cfg.eval.batch_size * world * 4)
+    cfg.data.synthetic_train_samples = cfg.data.synthetic_val_samples = max(
+        cfg.train.micro_batch_size * 2, cfg.eval.batch_size * world * 4
+    )
     cfg.train.global_batch_size = cfg.train.micro_batch_size * world * args.accum
     cfg.logging.out_dir = args.out_dir
     cfg.checkpoint.resume, cfg.checkpoint.every_steps = "none", 0
@@ -255,8 +304,15 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, dict | None, float]:
     trainer.warm_up(max(cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
     seconds, warm = timed(trainer.train_step, args.steps)
     profile = profile_breakdown(trainer.train_step) if args.profile else None
-    kwargs = dict(device=trainer.device, dtype=trainer.dtype, seed=0, eval_index=0, rank=trainer.dist.rank,
-                  shift=cfg.train.latent_shift, scale=cfg.train.latent_scale)
+    kwargs = dict(
+        device=trainer.device,
+        dtype=trainer.dtype,
+        seed=0,
+        eval_index=0,
+        rank=trainer.dist.rank,
+        shift=cfg.train.latent_shift,
+        scale=cfg.train.latent_scale,
+    )
     evaluate(trainer.model, trainer.data.val(), **kwargs)  # warm: eval shapes compile once
     torch.cuda.synchronize()
     e0 = time.perf_counter()
@@ -296,9 +352,15 @@ def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
     in_flight, _ = timed(trainer.train_step, args.steps, warmup=0)
     _, async_finish_s = clock(background.wait)
     shutil_rmtree(root / "async")
-    return {"checkpoint_gb": round(size_gb, 1), "save_s": save_s, "load_s": load_s, "async_blocking_s": async_block_s,
-            "async_wait_after_steps_s": async_finish_s, "step_ms": round(step_seconds * 1000, 1),
-            "step_ms_while_writing": round(in_flight * 1000, 1)}
+    return {
+        "checkpoint_gb": round(size_gb, 1),
+        "save_s": save_s,
+        "load_s": load_s,
+        "async_blocking_s": async_block_s,
+        "async_wait_after_steps_s": async_finish_s,
+        "step_ms": round(step_seconds * 1000, 1),
+        "step_ms_while_writing": round(in_flight * 1000, 1),
+    }
 
 
 def shutil_rmtree(path) -> None:
@@ -342,20 +404,39 @@ def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, dict | None]:
 
 # ------------------------------------------------------------------------------------ the table
 
+
 def print_table(rows: list[dict]) -> None:
     """Rows of one or more bench runs: throughput, ratios to stock, step efficiency, profiles."""
+
     def stock_for(r):
-        return next((s for s in rows if s["mode"] == r["mode"] and s["row"] == "stock" and s["batch"] == r["batch"]
-                     and "error" not in s), None)
+        return next(
+            (
+                s
+                for s in rows
+                if s["mode"] == r["mode"] and s["row"] == "stock" and s["batch"] == r["batch"] and "error" not in s
+            ),
+            None,
+        )
 
     def fwdbwd_for(r):
-        return next((s for s in rows if s["mode"] == "fwdbwd" and s["row"].startswith("ours")
-                     and s["row"] not in ("ours-no-graphs", "ours-no-compile", "ours-torch-rmsnorm")
-                     and s.get("precision") == r.get("precision") and s["batch"] == r["batch"]
-                     and "error" not in s), None)
+        return next(
+            (
+                s
+                for s in rows
+                if s["mode"] == "fwdbwd"
+                and s["row"].startswith("ours")
+                and s["row"] not in ("ours-no-graphs", "ours-no-compile", "ours-torch-rmsnorm")
+                and s.get("precision") == r.get("precision")
+                and s["batch"] == r["batch"]
+                and "error" not in s
+            ),
+            None,
+        )
 
-    print(f"\n{'mode':6s} {'row':58s} {'batch':>5s} {'samples/s/GPU':>13s} {'MFU %':>6s} {'peak GiB':>8s} "
-          f"{'vs stock':>8s} {'step eff':>8s} {'eval/s/GPU':>10s}")
+    print(
+        f"\n{'mode':6s} {'row':58s} {'batch':>5s} {'samples/s/GPU':>13s} {'MFU %':>6s} {'peak GiB':>8s} "
+        f"{'vs stock':>8s} {'step eff':>8s} {'eval/s/GPU':>10s}"
+    )
     for r in rows:
         name = r.get("label", r["row"]) + (f" [{r['precision']}]" if "precision" in r else "")
         if "error" in r:
@@ -365,14 +446,18 @@ def print_table(rows: list[dict]) -> None:
         ratio = f"{r['samples_s_per_gpu'] / stock['samples_s_per_gpu']:.2f}x" if stock else "-"
         eff = f"{r['samples_s_per_gpu'] / ref['samples_s_per_gpu']:.2f}" if ref else "-"
         mfu = 100 * r["samples_s_per_gpu"] * r["flops_per_sample"] / 1e12 / r["ceiling_tflops"]
-        print(f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['samples_s_per_gpu']:13.2f} {mfu:6.1f} "
-              f"{r['peak_gib']:8.1f} {ratio:>8s} {eff:>8s} {r.get('eval_samples_s_per_gpu', '-'):>10}")
+        print(
+            f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['samples_s_per_gpu']:13.2f} {mfu:6.1f} "
+            f"{r['peak_gib']:8.1f} {ratio:>8s} {eff:>8s} {r.get('eval_samples_s_per_gpu', '-'):>10}"
+        )
     profiled = [r for r in rows if "profile" in r]
     if profiled:
         kinds = list(profiled[0]["profile"])
         print("\nGPU time per step (ms), by kernel kind; idle = step - compute-stream busy")
-        print(f"{'kind':28s}" + "".join(f" {(r.get('label', r['row']) + ' ' + r.get('precision', ''))[:22]:>23s}"
-                                       for r in profiled))
+        print(
+            f"{'kind':28s}"
+            + "".join(f" {(r.get('label', r['row']) + ' ' + r.get('precision', ''))[:22]:>23s}" for r in profiled)
+        )
         for kind in kinds:
             print(f"{kind:28s}" + "".join(f" {r['profile'].get(kind, 0):23.1f}" for r in profiled))
 
@@ -400,26 +485,51 @@ def read_rows(path: str) -> list[dict]:
 @reports_user_errors
 def main(argv=None) -> int:
     p = Parser(prog="python -m flux_train.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/bench.yaml", help="the run config whose model and perf settings "
-                   "are measured (default: configs/bench.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value; repeatable")
-    p.add_argument("--mode", choices=("fwdbwd", "step"), default="fwdbwd",
-                   help="fwdbwd: one GPU, forward+backward only; step: the whole training step under torchrun")
-    p.add_argument("--rows", default=None,
-                   help=f"comma-separated rows; fwdbwd: {', '.join(FWDBWD_ROWS)} (default stock,ours); "
-                        f"step: {', '.join(STEP_ROWS)} (default stock,ours)")
-    p.add_argument("--batch", type=positive_int, default=16,
-                   help="fwdbwd batch (step mode uses train.micro_batch_size)")
+    p.add_argument(
+        "--config",
+        default="configs/bench.yaml",
+        help="the run config whose model and perf settings are measured (default: configs/bench.yaml)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value; repeatable",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("fwdbwd", "step"),
+        default="fwdbwd",
+        help="fwdbwd: one GPU, forward+backward only; step: the whole training step under torchrun",
+    )
+    p.add_argument(
+        "--rows",
+        default=None,
+        help=f"comma-separated rows; fwdbwd: {', '.join(FWDBWD_ROWS)} (default stock,ours); "
+        f"step: {', '.join(STEP_ROWS)} (default stock,ours)",
+    )
+    p.add_argument(
+        "--batch", type=positive_int, default=16, help="fwdbwd batch (step mode uses train.micro_batch_size)"
+    )
     p.add_argument("--text-len", type=positive_int, default=256, help="T5 tokens per sample (default 256)")
     p.add_argument("--latent", type=positive_int, default=32, help="latent side (32 = 256x256 images)")
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps per row (median reported)")
-    p.add_argument("--accum", type=positive_int, default=1,
-                   help="step mode: micro-batches per optimizer step for the ours row (the stock step has none)")
+    p.add_argument(
+        "--accum",
+        type=positive_int,
+        default=1,
+        help="step mode: micro-batches per optimizer step for the ours row (the stock step has none)",
+    )
     p.add_argument("--profile", action="store_true", help="add the GPU time per kernel kind to each row")
-    p.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="step mode: also time a checkpoint save (blocking and async) and load of the trainer's state "
-                        "in DIR (removed after)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="step mode: also time a checkpoint save (blocking and async) and load of the trainer's state "
+        "in DIR (removed after)",
+    )
     p.add_argument("--json", default=None, help="append each row as a JSON line to this file")
     p.add_argument("--table", default=None, metavar="FILE", help="print the table of the rows in FILE and exit")
     p.add_argument("--out-dir", default="runs/bench", help="the trainer's run folder in step mode")
@@ -444,10 +554,14 @@ def main(argv=None) -> int:
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     flops = flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)
     for row in rows:
-        result = (run_fwdbwd if args.mode == "fwdbwd" else run_step)(load_config(args.config, args.overrides),
-                                                                      args, row)
-        result |= {"device": torch.cuda.get_device_name(), "ceiling_tflops": round(ceiling, 1),
-                   "flops_per_sample": flops}
+        result = (run_fwdbwd if args.mode == "fwdbwd" else run_step)(
+            load_config(args.config, args.overrides), args, row
+        )
+        result |= {
+            "device": torch.cuda.get_device_name(),
+            "ceiling_tflops": round(ceiling, 1),
+            "flops_per_sample": flops,
+        }
         if rank0:
             print("ROW " + json.dumps(result), flush=True)
             if args.json:

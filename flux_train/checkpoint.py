@@ -12,6 +12,7 @@ training goes on, and the checkpoint is completed (renamed) when the next save s
 
     python -m flux_train.checkpoint export --config CFG --checkpoint DIR/step_00001234 --out FOLDER
 """
+
 from __future__ import annotations
 
 import re
@@ -51,8 +52,10 @@ def resolve_resume(cfg) -> Path | None:
         return found[-1] if found else None
     path = Path(choice)
     if not (path / "progress.pt").is_file():
-        raise ConfigError(f"checkpoint.resume={choice}: not a complete checkpoint folder (no progress.pt); use a "
-                          "step_XXXXXXXX folder, auto (the latest in checkpoint.dir) or none")
+        raise ConfigError(
+            f"checkpoint.resume={choice}: not a complete checkpoint folder (no progress.pt); use a "
+            "step_XXXXXXXX folder, auto (the latest in checkpoint.dir) or none"
+        )
     return path
 
 
@@ -102,7 +105,7 @@ class Checkpointer:
             torch.save(progress, tmp / "progress.pt")  # written last: its presence marks a complete checkpoint
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
-            for old in list_checkpoints(self.root)[:-self.keep]:
+            for old in list_checkpoints(self.root)[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier(group=self.group)
 
@@ -112,11 +115,15 @@ def load(path: Path, training) -> tuple[dict, dict]:
     progress = torch.load(path / "progress.pt", weights_only=True)
     world = dist.get_world_size()
     if progress["world_size"] != world:
-        raise RuntimeError(f"checkpoint {path} was written by {progress['world_size']} ranks, this run has {world}; "
-                           "the loader state cannot be split differently (resume with the same node/GPU count)")
+        raise RuntimeError(
+            f"checkpoint {path} was written by {progress['world_size']} ranks, this run has {world}; "
+            "the loader state cannot be split differently (resume with the same node/GPU count)"
+        )
     if progress.get("strategy", "fsdp") != training.strategy:
-        raise RuntimeError(f"checkpoint {path} was written with parallel.strategy={progress.get('strategy', 'fsdp')}, "
-                           f"this run uses {training.strategy}; resume with the same strategy")
+        raise RuntimeError(
+            f"checkpoint {path} was written with parallel.strategy={progress.get('strategy', 'fsdp')}, "
+            f"this run uses {training.strategy}; resume with the same strategy"
+        )
     state = training.state_dict()
     dcp.load(state, checkpoint_id=str(path))
     training.load_state_dict(state)
@@ -144,9 +151,11 @@ def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
     for name, tensor in state["model"].items():
         have = saved.get(f"model.{name}")
         if have is None or tuple(have.size) != tuple(tensor.shape):
-            raise ConfigError(f"checkpoint {checkpoint} does not hold model flavor '{cfg.model.flavor}' ('{name}' is "
-                              f"{tuple(have.size) if have else 'missing'} there, {tuple(tensor.shape)} here); pass "
-                              "the config the run trained with")
+            raise ConfigError(
+                f"checkpoint {checkpoint} does not hold model flavor '{cfg.model.flavor}' ('{name}' is "
+                f"{tuple(have.size) if have else 'missing'} there, {tuple(tensor.shape)} here); pass "
+                "the config the run trained with"
+            )
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     return state["model"]
 
@@ -168,14 +177,22 @@ def main(argv=None) -> int:
     ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
     ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
     ex.add_argument("--out", required=True, help="the diffusers folder to write (config.json + safetensors)")
-    ex.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override one config value; repeatable")
+    ex.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value; repeatable",
+    )
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     path = find_checkpoint(Path(args.checkpoint))
     if path is None:
-        raise ConfigError(f"--checkpoint {args.checkpoint}: no complete checkpoint there (a step_XXXXXXXX folder "
-                          "with progress.pt, or the folder holding them)")
+        raise ConfigError(
+            f"--checkpoint {args.checkpoint}: no complete checkpoint there (a step_XXXXXXXX folder "
+            "with progress.pt, or the folder holding them)"
+        )
     export_checkpoint(cfg, path, Path(args.out))
     print(f"exported {path} -> {args.out} (load with FluxTransformer2DModel.from_pretrained)")
     return 0

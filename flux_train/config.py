@@ -5,6 +5,7 @@ to the file, then to the `configs/` folder). Defaults merge in order, the file's
 `--set section.key=value` overrides (values parsed as YAML). Every key is checked against the dataclasses
 below: unknown keys, wrong types and impossible values raise ConfigError naming the key path.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -294,8 +295,9 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """Read a config file with its `defaults:` chain merged in; returns a plain nested dict."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}; pass --config an existing YAML file (the shipped ones "
-                          f"are in {CONFIG_DIR})")
+        raise ConfigError(
+            f"config file not found: {path}; pass --config an existing YAML file (the shipped ones are in {CONFIG_DIR})"
+        )
     resolved = path.resolve()
     if resolved in _seen:
         raise ConfigError(f"defaults: cycle through {path}")
@@ -422,32 +424,48 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     need(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
     need(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
     need(t.max_steps > 0, f"train.max_steps: must be > 0, got {t.max_steps}")
-    need(0.0 <= t.caption_dropout_prob <= 1.0,
-         f"train.caption_dropout_prob: must be in [0, 1], got {t.caption_dropout_prob}")
+    need(
+        0.0 <= t.caption_dropout_prob <= 1.0,
+        f"train.caption_dropout_prob: must be in [0, 1], got {t.caption_dropout_prob}",
+    )
     need(m.num_attention_heads > 0 and m.attention_head_dim > 0, "model: heads and head dim must be > 0")
-    need(sum(m.axes_dims_rope) == m.attention_head_dim,
-         f"model.axes_dims_rope: must sum to attention_head_dim {m.attention_head_dim}, got {m.axes_dims_rope}")
+    need(
+        sum(m.axes_dims_rope) == m.attention_head_dim,
+        f"model.axes_dims_rope: must sum to attention_head_dim {m.attention_head_dim}, got {m.axes_dims_rope}",
+    )
     need(m.in_channels % 4 == 0, f"model.in_channels: must be 4 x latent channels (2x2 patches), got {m.in_channels}")
     p = cfg.parallel
-    need(not (p.strategy == "ddp" and p.reduce_dtype == "float32" and t.compute_dtype == "bfloat16"),
-         "parallel.reduce_dtype=float32: parallel.strategy=ddp reduces gradients in the compute dtype (bf16); "
-         "use parallel.strategy=fsdp for fp32 reduction, or reduce_dtype=auto")
-    need(not cfg.perf.cuda_graphs or p.strategy == "ddp",
-         "perf.cuda_graphs: FSDP2 gathers weights into fresh buffers every step, which a CUDA graph cannot "
-         "replay; set parallel.strategy=ddp (weights and gradient buffers stay in place)")
-    need(not cfg.perf.cuda_graphs or cfg.perf.warmup_iters >= 1,
-         "perf.cuda_graphs: graphs are captured during the warm-up before run_start; set perf.warmup_iters >= 1")
-    need(cfg.data.synthetic_val_samples <= cfg.data.synthetic_train_samples,
-         f"data.synthetic_val_samples {cfg.data.synthetic_val_samples} > data.synthetic_train_samples "
-         f"{cfg.data.synthetic_train_samples}: the synthetic val set is a subset of the train set")
+    need(
+        not (p.strategy == "ddp" and p.reduce_dtype == "float32" and t.compute_dtype == "bfloat16"),
+        "parallel.reduce_dtype=float32: parallel.strategy=ddp reduces gradients in the compute dtype (bf16); "
+        "use parallel.strategy=fsdp for fp32 reduction, or reduce_dtype=auto",
+    )
+    need(
+        not cfg.perf.cuda_graphs or p.strategy == "ddp",
+        "perf.cuda_graphs: FSDP2 gathers weights into fresh buffers every step, which a CUDA graph cannot "
+        "replay; set parallel.strategy=ddp (weights and gradient buffers stay in place)",
+    )
+    need(
+        not cfg.perf.cuda_graphs or cfg.perf.warmup_iters >= 1,
+        "perf.cuda_graphs: graphs are captured during the warm-up before run_start; set perf.warmup_iters >= 1",
+    )
+    need(
+        cfg.data.synthetic_val_samples <= cfg.data.synthetic_train_samples,
+        f"data.synthetic_val_samples {cfg.data.synthetic_val_samples} > data.synthetic_train_samples "
+        f"{cfg.data.synthetic_train_samples}: the synthetic val set is a subset of the train set",
+    )
     need(p.timeout_s >= 10, f"parallel.timeout_s: must be >= 10 seconds, got {p.timeout_s}")
-    need(cfg.perf.warmup_latent_size > 0 and cfg.perf.warmup_latent_size % 2 == 0,
-         f"perf.warmup_latent_size: must be a positive even number (2x2 patches), got {cfg.perf.warmup_latent_size}")
+    need(
+        cfg.perf.warmup_latent_size > 0 and cfg.perf.warmup_latent_size % 2 == 0,
+        f"perf.warmup_latent_size: must be a positive even number (2x2 patches), got {cfg.perf.warmup_latent_size}",
+    )
     need(cfg.eval.every_samples > 0, f"eval.every_samples: must be > 0, got {cfg.eval.every_samples}")
     need(cfg.eval.every_steps >= 0, f"eval.every_steps: must be >= 0, got {cfg.eval.every_steps}")
     need(cfg.eval.batch_size > 0, f"eval.batch_size: must be > 0, got {cfg.eval.batch_size}")
-    need(not cfg.eval.sample_prompts or cfg.eval.sample_weights,
-         "eval.sample_prompts needs eval.sample_weights: a local FLUX.1-schnell folder with vae/ and the text encoders")
+    need(
+        not cfg.eval.sample_prompts or cfg.eval.sample_weights,
+        "eval.sample_prompts needs eval.sample_weights: a local FLUX.1-schnell folder with vae/ and the text encoders",
+    )
     need(cfg.logging.log_every > 0, f"logging.log_every: must be > 0, got {cfg.logging.log_every}")
     need(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
     need(cfg.slurm.nodes >= 1, f"slurm.nodes: must be >= 1, got {cfg.slurm.nodes}")
@@ -455,10 +473,12 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     need(cfg.slurm.time_min >= 1, f"slurm.time_min: must be >= 1 minute, got {cfg.slurm.time_min}")
     if world_size is not None:
         per_step = t.micro_batch_size * world_size
-        need(t.global_batch_size % per_step == 0,
-             f"train.global_batch_size {t.global_batch_size} is not divisible by train.micro_batch_size "
-             f"{t.micro_batch_size} x data-parallel size {world_size} = {per_step}; "
-             f"choose a multiple of {per_step} or change micro_batch_size")
+        need(
+            t.global_batch_size % per_step == 0,
+            f"train.global_batch_size {t.global_batch_size} is not divisible by train.micro_batch_size "
+            f"{t.micro_batch_size} x data-parallel size {world_size} = {per_step}; "
+            f"choose a multiple of {per_step} or change micro_batch_size",
+        )
     return cfg
 
 
@@ -466,14 +486,21 @@ def mesh_shape(pcfg: ParallelConfig, world: int, local_world: int) -> tuple[int,
     """(dp_replicate, dp_shard); defaults shard within a node and replicate across nodes."""
     for key, value in (("dp_shard", pcfg.dp_shard), ("dp_replicate", pcfg.dp_replicate)):
         if value > 0 and world % value:
-            raise ConfigError(f"parallel.{key}={value} does not divide the {world} ranks of this run; choose a "
-                              f"divisor of {world} or -1 (shard within a node, replicate across nodes)")
-    shard = pcfg.dp_shard if pcfg.dp_shard > 0 else (
-        world // pcfg.dp_replicate if pcfg.dp_replicate > 0 else min(local_world, world))
+            raise ConfigError(
+                f"parallel.{key}={value} does not divide the {world} ranks of this run; choose a "
+                f"divisor of {world} or -1 (shard within a node, replicate across nodes)"
+            )
+    shard = (
+        pcfg.dp_shard
+        if pcfg.dp_shard > 0
+        else (world // pcfg.dp_replicate if pcfg.dp_replicate > 0 else min(local_world, world))
+    )
     replicate = pcfg.dp_replicate if pcfg.dp_replicate > 0 else world // shard
     if shard * replicate != world:
-        raise ConfigError(f"parallel.dp_replicate {replicate} x parallel.dp_shard {shard} != the {world} ranks of "
-                          "this run; set one of them to -1")
+        raise ConfigError(
+            f"parallel.dp_replicate {replicate} x parallel.dp_shard {shard} != the {world} ranks of "
+            "this run; set one of them to -1"
+        )
     return replicate, shard
 
 

@@ -1,6 +1,7 @@
 """What puts each node's agent in its container: the engine's command line (pyxis, apptainer, docker, podman)
 with its mounts, GPU passthrough and ulimits, and a check that runs on every node before the container
 starts and names the node and the fix when something the container needs is missing there."""
+
 from __future__ import annotations
 
 import os
@@ -12,16 +13,47 @@ from flux_train.config import Config, ConfigError
 from flux_train.preemption import REQUEUE_FLAG_ENV
 
 # docker/podman start from the image's environment: what the agent needs from Slurm's and the site's
-PASSTHROUGH = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_PROCID",
-               "SLURM_LOCALID", "SLURMD_NODENAME", "SLURM_NTASKS", "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID",
-               "SLURM_ARRAY_TASK_ID", "SUBMITIT_EXECUTOR", "SUBMITIT_PREEMPT_SIGNAL", REQUEUE_FLAG_ENV,
-               "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE",
-               "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+PASSTHROUGH = (
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODEID",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURMD_NODENAME",
+    "SLURM_NTASKS",
+    "SLURM_RESTART_COUNT",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+    "SUBMITIT_EXECUTOR",
+    "SUBMITIT_PREEMPT_SIGNAL",
+    REQUEUE_FLAG_ENV,
+    "CUDA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "NCCL_NVLS_ENABLE",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "NVSHMEM_DISABLE_NVLS",
+)
 # docker/podman --ulimit; container.ulimits adds to or replaces these ("" drops one). Unlimited locked
 # memory is what pinned host buffers and RDMA need.
 DEFAULT_ULIMITS = {"memlock": "-1:-1"}
-ULIMIT_NAMES = ("core", "cpu", "data", "fsize", "locks", "memlock", "msgqueue", "nice", "nofile", "nproc",
-                "rss", "rtprio", "rttime", "sigpending", "stack")
+ULIMIT_NAMES = (
+    "core",
+    "cpu",
+    "data",
+    "fsize",
+    "locks",
+    "memlock",
+    "msgqueue",
+    "nice",
+    "nofile",
+    "nproc",
+    "rss",
+    "rtprio",
+    "rttime",
+    "sigpending",
+    "stack",
+)
 # what the trial start on each node imports: the image's interpreter must reach both
 TRIAL_IMPORT = "import flux_train, submitit"
 
@@ -39,8 +71,7 @@ class Mount:
 def parse_mount(text: str) -> Mount:
     parts = text.split(":")
     if "," in text or not parts[0] or len(parts) > 3 or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
-        raise ConfigError(f"container mount {text!r}: expected SRC, SRC:DST or SRC:DST:ro (paths without ',' "
-                          f"or ':')")
+        raise ConfigError(f"container mount {text!r}: expected SRC, SRC:DST or SRC:DST:ro (paths without ',' or ':')")
     src = os.path.abspath(os.path.expanduser(parts[0]))
     dst = parts[1] if len(parts) > 1 and parts[1] else src
     if not dst.startswith("/"):
@@ -72,8 +103,10 @@ def ulimits(cfg: Config) -> dict[str, str]:
         if name not in ULIMIT_NAMES:
             raise ConfigError(f"container.ulimits.{name}: unknown limit; accepted: {', '.join(ULIMIT_NAMES)}")
         if value and (len(numbers) > 2 or not all(n.lstrip("-").isdigit() for n in numbers)):
-            raise ConfigError(f"container.ulimits.{name}={value!r}: expected SOFT or SOFT:HARD in whole numbers "
-                              f"(-1: unlimited), or '' for the engine's own limit")
+            raise ConfigError(
+                f"container.ulimits.{name}={value!r}: expected SOFT or SOFT:HARD in whole numbers "
+                f"(-1: unlimited), or '' for the engine's own limit"
+            )
     return {name: value for name, value in out.items() if value}
 
 
@@ -104,17 +137,42 @@ def command(cfg: Config) -> tuple[list[str], list[str]]:
         raise ConfigError(f"container.python {c.python!r}: {exc} (it is split like a shell command line)") from None
     if c.runtime == "pyxis":
         # only the srun step is containerised: the batch script and its requeue teardown stay on the host
-        return [f"--container-image={c.image}", "--container-mounts=" + ",".join(m.spec() for m in binds),
-                f"--container-workdir={workdir}", *c.extra_args], python
+        return [
+            f"--container-image={c.image}",
+            "--container-mounts=" + ",".join(m.spec() for m in binds),
+            f"--container-workdir={workdir}",
+            *c.extra_args,
+        ], python
     if c.runtime == "apptainer":
-        return [], ["apptainer", "exec", *gpu_args(cfg), "--bind=" + ",".join(m.spec() for m in binds),
-                    f"--pwd={workdir}", *c.extra_args, c.image, *python]
+        return [], [
+            "apptainer",
+            "exec",
+            *gpu_args(cfg),
+            "--bind=" + ",".join(m.spec() for m in binds),
+            f"--pwd={workdir}",
+            *c.extra_args,
+            c.image,
+            *python,
+        ]
     infiniband = ["--device=/dev/infiniband", "--cap-add=IPC_LOCK"] if cfg.env.ib_hca else []
     names = dict.fromkeys([*PASSTHROUGH, *c.env])
-    return [], [c.runtime, "run", "--rm", "--init", "--network=host", "--ipc=host",
-                *[f"--ulimit={name}={value}" for name, value in ulimits(cfg).items()],
-                *gpu_args(cfg), *infiniband, *[f"--volume={m.spec()}" for m in binds], f"--workdir={workdir}",
-                *[f"--env={name}" for name in names], *c.extra_args, c.image, *python]
+    return [], [
+        c.runtime,
+        "run",
+        "--rm",
+        "--init",
+        "--network=host",
+        "--ipc=host",
+        *[f"--ulimit={name}={value}" for name, value in ulimits(cfg).items()],
+        *gpu_args(cfg),
+        *infiniband,
+        *[f"--volume={m.spec()}" for m in binds],
+        f"--workdir={workdir}",
+        *[f"--env={name}" for name in names],
+        *c.extra_args,
+        c.image,
+        *python,
+    ]
 
 
 # bash, run on each node before the agent's container starts; arguments: engine, image, mount sources...,
@@ -162,5 +220,16 @@ def node_check(cfg: Config) -> list[str] | None:
     if c.runtime in ("none", "pyxis"):
         return None
     _, argv = command(cfg)
-    return ["bash", "-c", NODE_CHECK, "flux-train-check", c.runtime, c.image,
-            *dict.fromkeys(m.src for m in mounts(cfg)), "--", *argv, "-c", TRIAL_IMPORT]
+    return [
+        "bash",
+        "-c",
+        NODE_CHECK,
+        "flux-train-check",
+        c.runtime,
+        c.image,
+        *dict.fromkeys(m.src for m in mounts(cfg)),
+        "--",
+        *argv,
+        "-c",
+        TRIAL_IMPORT,
+    ]

@@ -8,6 +8,7 @@ forwards and each val sample counts exactly once).
 A source gives: `train` (an iterator of this rank's micro-batches in order, with state_dict /
 load_state_dict), `val()` (a fresh pass over this rank's val batches) and the empty encodings.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,7 @@ class TrainStream:
         raise NotImplementedError
 
 
-def synthetic_samples(n: int, text_len: int, height: int, width: int, t5_dim: int, clip_dim: int,
-                      seed: int) -> dict:
+def synthetic_samples(n: int, text_len: int, height: int, width: int, t5_dim: int, clip_dim: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
         "t5": torch.randn(n, text_len, t5_dim, generator=g).to(torch.bfloat16),
@@ -101,7 +101,7 @@ def shard_val_indices(n: int, rank: int, world: int, batch: int) -> list[list[in
     mine = list(range(rank, n, world))
     batches = math.ceil(math.ceil(n / world) / batch)
     mine += [-1] * (batches * batch - len(mine))
-    return [mine[i * batch:(i + 1) * batch] for i in range(batches)]
+    return [mine[i * batch : (i + 1) * batch] for i in range(batches)]
 
 
 def _synthetic_val(samples: dict, rank: int, world: int, batch: int) -> Callable[[], Iterator[dict]]:
@@ -122,20 +122,33 @@ def _synthetic_val(samples: dict, rank: int, world: int, batch: int) -> Callable
 
 def build_synthetic(cfg: Config, rank: int, world: int) -> DataSource:
     d, m = cfg.data, cfg.model
-    train = synthetic_samples(d.synthetic_train_samples, d.synthetic_text_len, d.synthetic_latent_size,
-                              d.synthetic_latent_size, m.joint_attention_dim, m.pooled_projection_dim, cfg.train.seed)
+    train = synthetic_samples(
+        d.synthetic_train_samples,
+        d.synthetic_text_len,
+        d.synthetic_latent_size,
+        d.synthetic_latent_size,
+        m.joint_attention_dim,
+        m.pooled_projection_dim,
+        cfg.train.seed,
+    )
     # val is a subset of train: the synthetic set exists to show the trainer can overfit it
-    val = {k: v[:d.synthetic_val_samples] for k, v in train.items()}
-    empty = synthetic_samples(1, d.synthetic_text_len, 2, 2, m.joint_attention_dim, m.pooled_projection_dim,
-                               cfg.train.seed + 2)
-    stream = SyntheticTrainStream(train, cfg.train.global_batch_size, cfg.train.micro_batch_size, rank, world,
-                                  cfg.train.seed)
-    return DataSource(stream, _synthetic_val(val, rank, world, cfg.eval.batch_size), empty["t5"],
-                      empty["clip"], d.synthetic_val_samples)
+    val = {k: v[: d.synthetic_val_samples] for k, v in train.items()}
+    empty = synthetic_samples(
+        1, d.synthetic_text_len, 2, 2, m.joint_attention_dim, m.pooled_projection_dim, cfg.train.seed + 2
+    )
+    stream = SyntheticTrainStream(
+        train, cfg.train.global_batch_size, cfg.train.micro_batch_size, rank, world, cfg.train.seed
+    )
+    return DataSource(
+        stream,
+        _synthetic_val(val, rank, world, cfg.eval.batch_size),
+        empty["t5"],
+        empty["clip"],
+        d.synthetic_val_samples,
+    )
 
 
 class DataError(UserError, ValueError):
     """A defect in the data on disk; the message names the shard and sample (or file)."""
 
     label = "data error"
-

@@ -14,6 +14,7 @@ are the parameters (and one for their gradients); rank r of the shard group owns
 bucket. Gradients are summed, not averaged, and 1/world joins the clipping factor in the optimizer kernel
 (flux_train.kernels.adamw), so clipping costs no pass over the gradients of its own.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -55,19 +56,22 @@ class Bucket:
 
     @property
     def grad_shard(self) -> torch.Tensor:
-        return self.grads[self.shard_start:self.shard_start + self.shard_numel]
+        return self.grads[self.shard_start : self.shard_start + self.shard_numel]
 
     @property
     def weight_shard(self) -> torch.Tensor:
-        return self.weights[self.shard_start:self.shard_start + self.shard_numel]
+        return self.weights[self.shard_start : self.shard_start + self.shard_numel]
 
 
 def _bucket_modules(model: nn.Module) -> list[tuple[nn.Module | None, list[tuple[str, nn.Parameter]]]]:
     """[(module whose forward first needs the bucket (None = the model), [(name, param)])], forward order."""
     named = list(model.named_parameters())
     double, single = block_stacks(model)
-    blocks = [(f"{prefix}.{i}.", block) for prefix, stack in (("double_blocks", double), ("single_blocks", single))
-              for i, block in enumerate(stack)]
+    blocks = [
+        (f"{prefix}.{i}.", block)
+        for prefix, stack in (("double_blocks", double), ("single_blocks", single))
+        for i, block in enumerate(stack)
+    ]
     root = [(n, p) for n, p in named if not canonical_name(n).startswith(("double_blocks.", "single_blocks."))]
     out = [(None, root)]
     for prefix, block in blocks:
@@ -83,8 +87,7 @@ class DDP:
 
     strategy = "ddp"
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, tcfg: TrainConfig, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, tcfg: TrainConfig, dtype: torch.dtype, device: torch.device):
         self.model = model
         self.tcfg = tcfg
         self.shard_group = mesh["dp_shard"].get_group()
@@ -123,11 +126,12 @@ class DDP:
         bucket.master_offset = master_offset
         owners = {id(p): (m, k) for m in self.model.modules() for k, p in m._parameters.items() if p is not None}
         for (_, p), offset in zip(named, bucket.offsets):
-            view = nn.Parameter(bucket.weights[offset:offset + p.numel()].view(p.shape))
+            view = nn.Parameter(bucket.weights[offset : offset + p.numel()].view(p.shape))
             module, key = owners[id(p)]
             module._parameters[key] = view
             view.register_post_accumulate_grad_hook(
-                lambda param, b=bucket, o=offset: self._gradient_arrived(b, o, param))
+                lambda param, b=bucket, o=offset: self._gradient_arrived(b, o, param)
+            )
             bucket.params.append(view)
         return bucket
 
@@ -152,7 +156,7 @@ class DDP:
         hi = min(offset + numel, bucket.shard_start + bucket.shard_numel)
         if lo < hi:
             start = bucket.master_offset + lo - bucket.shard_start
-            self.master[start:start + hi - lo].copy_(values[lo - offset:hi - offset])
+            self.master[start : start + hi - lo].copy_(values[lo - offset : hi - offset])
 
     # ---------------------------------------------------------------------------------- one step
 
@@ -162,7 +166,7 @@ class DDP:
             bucket.arrived = 0
 
     def _gradient_arrived(self, bucket: Bucket, offset: int, param: torch.Tensor) -> None:
-        grad = bucket.grads[offset:offset + param.numel()].view(param.shape)
+        grad = bucket.grads[offset : offset + param.numel()].view(param.shape)
         if self._first:  # the first micro-batch overwrites: no zeroing pass
             grad.copy_(param.grad)
         else:
@@ -170,16 +174,21 @@ class DDP:
         param.grad = None
         bucket.arrived += 1
         if self._last and bucket.arrived == len(bucket.params) and self.shards > 1:
-            self._reductions.append(_reduce_scatter(bucket.grad_shard, bucket.grads, op=dist.ReduceOp.SUM,
-                                                    group=self.shard_group, async_op=True))
+            self._reductions.append(
+                _reduce_scatter(
+                    bucket.grad_shard, bucket.grads, op=dist.ReduceOp.SUM, group=self.shard_group, async_op=True
+                )
+            )
 
     def finish_backward(self) -> None:
         """After the last micro-batch's backward: every bucket's gradients summed over all ranks, in its shard."""
         for bucket in self.buckets:
             if bucket.arrived != len(bucket.params):
                 missing = bucket.names[bucket.arrived] if bucket.arrived < len(bucket.names) else bucket.names[0]
-                raise RuntimeError(f"parameter {missing} (or another of its block) received no gradient: "
-                                   "every parameter must take part in the loss")
+                raise RuntimeError(
+                    f"parameter {missing} (or another of its block) received no gradient: "
+                    "every parameter must take part in the loss"
+                )
         for work in self._reductions:
             work.wait()
         self._reductions.clear()
@@ -202,13 +211,22 @@ class DDP:
         self.steps += 1
         for bucket in self.buckets:
             start, n = bucket.master_offset, bucket.shard_numel
-            adamw_step(self.master[start:start + n], self.exp_avg[start:start + n],
-                       self.exp_avg_sq[start:start + n], bucket.grad_shard, bucket.weight_shard, coef, lr=lr,
-                       beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps, weight_decay=t.weight_decay,
-                       step=self.steps)
+            adamw_step(
+                self.master[start : start + n],
+                self.exp_avg[start : start + n],
+                self.exp_avg_sq[start : start + n],
+                bucket.grad_shard,
+                bucket.weight_shard,
+                coef,
+                lr=lr,
+                beta1=t.adam_beta1,
+                beta2=t.adam_beta2,
+                eps=t.adam_eps,
+                weight_decay=t.weight_decay,
+                step=self.steps,
+            )
             if self.shards > 1:
-                bucket.gather = _all_gather(bucket.weights, bucket.weight_shard, group=self.shard_group,
-                                            async_op=True)
+                bucket.gather = _all_gather(bucket.weights, bucket.weight_shard, group=self.shard_group, async_op=True)
         return norm
 
     def _wait_gather(self, bucket: Bucket) -> None:
@@ -237,12 +255,13 @@ class DDP:
 
         self.wait_params()
         placements = [Replicate(), Shard(0)] if self.state_mesh.ndim == 2 else [Shard(0)]
-        flat = {k: DTensor.from_local(getattr(self, k), self.state_mesh, placements, run_check=False)
-                for k in ("master", "exp_avg", "exp_avg_sq")}
+        flat = {
+            k: DTensor.from_local(getattr(self, k), self.state_mesh, placements, run_check=False)
+            for k in ("master", "exp_avg", "exp_avg_sq")
+        }
         model = {name: p for b in self.buckets for name, p in zip(b.names, b.params)}
         return {"model": model, "optim": flat | {"steps": torch.tensor(self.steps)}}
 
     def load_state_dict(self, state: dict) -> None:
         """After dcp.load filled `state_dict()`'s tensors in place."""
         self.steps = int(state["optim"]["steps"])
-

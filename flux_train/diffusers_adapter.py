@@ -9,6 +9,7 @@ diffusers 0.35-0.42 (pyproject pins the range).
 (`config.json` + `diffusion_pytorch_model*.safetensors`, or a pipeline folder holding `transformer/`) or a
 black-forest-labs single-file checkpoint (`flux1-schnell.safetensors`, already in our layout).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,34 +21,56 @@ import torch
 from flux_train.config import ModelConfig
 
 # (ours, diffusers) per-module renames; weight and bias follow the module name
-_ROOT = [("img_in", "x_embedder"), ("txt_in", "context_embedder"),
-         ("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1"),
-         ("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2"),
-         ("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
-         ("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
-         ("final_layer.linear", "proj_out")]
-_DOUBLE = [("img_mod.lin", "norm1.linear"), ("txt_mod.lin", "norm1_context.linear"),
-           ("img_attn.proj", "attn.to_out.0"), ("txt_attn.proj", "attn.to_add_out"),
-           ("img_mlp.0", "ff.net.0.proj"), ("img_mlp.2", "ff.net.2"),
-           ("txt_mlp.0", "ff_context.net.0.proj"), ("txt_mlp.2", "ff_context.net.2")]
-_DOUBLE_NORMS = [("img_attn.norm.query_norm", "attn.norm_q"), ("img_attn.norm.key_norm", "attn.norm_k"),
-                 ("txt_attn.norm.query_norm", "attn.norm_added_q"), ("txt_attn.norm.key_norm", "attn.norm_added_k")]
+_ROOT = [
+    ("img_in", "x_embedder"),
+    ("txt_in", "context_embedder"),
+    ("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1"),
+    ("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2"),
+    ("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
+    ("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
+    ("final_layer.linear", "proj_out"),
+]
+_DOUBLE = [
+    ("img_mod.lin", "norm1.linear"),
+    ("txt_mod.lin", "norm1_context.linear"),
+    ("img_attn.proj", "attn.to_out.0"),
+    ("txt_attn.proj", "attn.to_add_out"),
+    ("img_mlp.0", "ff.net.0.proj"),
+    ("img_mlp.2", "ff.net.2"),
+    ("txt_mlp.0", "ff_context.net.0.proj"),
+    ("txt_mlp.2", "ff_context.net.2"),
+]
+_DOUBLE_NORMS = [
+    ("img_attn.norm.query_norm", "attn.norm_q"),
+    ("img_attn.norm.key_norm", "attn.norm_k"),
+    ("txt_attn.norm.query_norm", "attn.norm_added_q"),
+    ("txt_attn.norm.key_norm", "attn.norm_added_k"),
+]
 _SINGLE = [("linear2", "proj_out"), ("modulation.lin", "norm.linear")]
 _SINGLE_NORMS = [("norm.query_norm", "attn.norm_q"), ("norm.key_norm", "attn.norm_k")]
 # fused ours <- concatenation of diffusers' parts, in order
-_DOUBLE_FUSED = [("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
-                 ("txt_attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"))]
+_DOUBLE_FUSED = [
+    ("img_attn.qkv", ("attn.to_q", "attn.to_k", "attn.to_v")),
+    ("txt_attn.qkv", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
+]
 _SINGLE_FUSED = [("linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))]
 _FINAL_ADALN = ("final_layer.adaLN_modulation.1", "norm_out.linear")
 
 
 def diffusers_config(cfg: ModelConfig) -> dict:
     """FluxTransformer2DModel constructor arguments for a flavor."""
-    return dict(patch_size=1, in_channels=cfg.in_channels, num_layers=cfg.num_layers,
-                num_single_layers=cfg.num_single_layers, attention_head_dim=cfg.attention_head_dim,
-                num_attention_heads=cfg.num_attention_heads, joint_attention_dim=cfg.joint_attention_dim,
-                pooled_projection_dim=cfg.pooled_projection_dim, guidance_embeds=False,
-                axes_dims_rope=tuple(cfg.axes_dims_rope))
+    return dict(
+        patch_size=1,
+        in_channels=cfg.in_channels,
+        num_layers=cfg.num_layers,
+        num_single_layers=cfg.num_single_layers,
+        attention_head_dim=cfg.attention_head_dim,
+        num_attention_heads=cfg.num_attention_heads,
+        joint_attention_dim=cfg.joint_attention_dim,
+        pooled_projection_dim=cfg.pooled_projection_dim,
+        guidance_embeds=False,
+        axes_dims_rope=tuple(cfg.axes_dims_rope),
+    )
 
 
 def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -61,17 +84,24 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     for i in range(cfg.num_layers):
         names += [(f"double_blocks.{i}.{a}.scale", f"transformer_blocks.{i}.{b}.weight") for a, b in _DOUBLE_NORMS]
     for i in range(cfg.num_single_layers):
-        names += [(f"single_blocks.{i}.{a}.scale", f"single_transformer_blocks.{i}.{b}.weight")
-                  for a, b in _SINGLE_NORMS]
+        names += [
+            (f"single_blocks.{i}.{a}.scale", f"single_transformer_blocks.{i}.{b}.weight") for a, b in _SINGLE_NORMS
+        ]
     return names
 
 
 def _fusions(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...]]]:
     """(ours, diffusers parts) for every fused Linear, as module names."""
-    fused = [(f"double_blocks.{i}.{a}", tuple(f"transformer_blocks.{i}.{p}" for p in parts))
-             for i in range(cfg.num_layers) for a, parts in _DOUBLE_FUSED]
-    fused += [(f"single_blocks.{i}.{a}", tuple(f"single_transformer_blocks.{i}.{p}" for p in parts))
-              for i in range(cfg.num_single_layers) for a, parts in _SINGLE_FUSED]
+    fused = [
+        (f"double_blocks.{i}.{a}", tuple(f"transformer_blocks.{i}.{p}" for p in parts))
+        for i in range(cfg.num_layers)
+        for a, parts in _DOUBLE_FUSED
+    ]
+    fused += [
+        (f"single_blocks.{i}.{a}", tuple(f"single_transformer_blocks.{i}.{p}" for p in parts))
+        for i in range(cfg.num_single_layers)
+        for a, parts in _SINGLE_FUSED
+    ]
     return fused
 
 
@@ -98,8 +128,10 @@ def to_diffusers(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 def from_diffusers(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     missing = [d for _, d in _renames(cfg) if d not in state]
     if missing:
-        raise ValueError(f"not a diffusers FluxTransformer2DModel state of this flavor: no '{missing[0]}' "
-                         f"({len(missing)} tensors missing)")
+        raise ValueError(
+            f"not a diffusers FluxTransformer2DModel state of this flavor: no '{missing[0]}' "
+            f"({len(missing)} tensors missing)"
+        )
     out = {o: state[d] for o, d in _renames(cfg)}
     for ours, parts in _fusions(cfg):
         for kind in ("weight", "bias"):
@@ -131,8 +163,7 @@ def load_pretrained(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
     if path.is_dir() and (path / "config.json").is_file():
         config = json.loads((path / "config.json").read_text())
         ours = diffusers_config(cfg)
-        wrong = {k: (config.get(k), v) for k, v in ours.items()
-                 if k != "axes_dims_rope" and config.get(k, v) != v}
+        wrong = {k: (config.get(k), v) for k, v in ours.items() if k != "axes_dims_rope" and config.get(k, v) != v}
         if list(config.get("axes_dims_rope", ours["axes_dims_rope"])) != list(ours["axes_dims_rope"]):
             wrong["axes_dims_rope"] = (config["axes_dims_rope"], ours["axes_dims_rope"])
         if wrong:
@@ -142,8 +173,10 @@ def load_pretrained(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
         if not files:
             raise ValueError(f"{path}: no diffusion_pytorch_model*.safetensors files")
         return from_diffusers(_read_safetensors(files), cfg)
-    raise ValueError(f"{path}: expected a diffusers transformer folder (config.json + safetensors), a FLUX.1 "
-                     "pipeline folder with transformer/, or a .safetensors file")
+    raise ValueError(
+        f"{path}: expected a diffusers transformer folder (config.json + safetensors), a FLUX.1 "
+        "pipeline folder with transformer/, or a .safetensors file"
+    )
 
 
 def save_diffusers(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path) -> None:

@@ -1,6 +1,7 @@
 """The energon side of the data: the cooker (crude sample -> batch contract), this rank's resumable train
 stream, and the val pass that covers the val split exactly once across ranks (flux_train.data has the
 batch contract, dataprep.format the on-disk format)."""
+
 from __future__ import annotations
 
 import math
@@ -10,12 +11,31 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from megatron.energon import (Cooker, CrudeSample, DefaultTaskEncoder, WorkerConfig, basic_sample_keys,
-                              get_loader, get_savable_loader, get_train_dataset, get_val_dataset, stateless)
+from megatron.energon import (
+    Cooker,
+    CrudeSample,
+    DefaultTaskEncoder,
+    WorkerConfig,
+    basic_sample_keys,
+    get_loader,
+    get_savable_loader,
+    get_train_dataset,
+    get_val_dataset,
+    stateless,
+)
 from megatron.energon.errors import reraise_exception
 
-from dataprep.format import (METADATA, PARTS, DatasetInfo, FormatError, decode_bf16, load_empty_encodings, read_info,
-                             sample_meta, sample_where)
+from dataprep.format import (
+    METADATA,
+    PARTS,
+    DatasetInfo,
+    FormatError,
+    decode_bf16,
+    load_empty_encodings,
+    read_info,
+    sample_meta,
+    sample_where,
+)
 from flux_train.config import Config, ConfigError, DataConfig, ModelConfig
 from flux_train.data import DataError, DataSource, TrainStream
 from flux_train.private_apis import split_samples_to_workers
@@ -63,8 +83,9 @@ class FluxTaskEncoder(DefaultTaskEncoder):
 
 def _worker_config(rank: int, world: int, num_workers: int, seed: int) -> WorkerConfig:
     # a bad sample stops the run: energon's default handler logs and skips it, which silently changes the data
-    return WorkerConfig(rank=rank, world_size=world, num_workers=num_workers, seed_offset=seed,
-                        global_error_handler=reraise_exception)
+    return WorkerConfig(
+        rank=rank, world_size=world, num_workers=num_workers, seed_offset=seed, global_error_handler=reraise_exception
+    )
 
 
 class EnergonTrainStream(TrainStream):
@@ -75,9 +96,14 @@ class EnergonTrainStream(TrainStream):
     def __init__(self, path: Path, rank: int, world: int, micro_batch: int, d: DataConfig, seed: int):
         self.rank, self.world, self.num_workers = rank, world, d.num_workers
         dataset = get_train_dataset(
-            path, split_part="train", worker_config=_worker_config(rank, world, d.num_workers, seed),
-            batch_size=micro_batch, shuffle_buffer_size=d.shuffle_buffer_size or None,
-            max_samples_per_sequence=d.max_samples_per_sequence or None, task_encoder=FluxTaskEncoder())
+            path,
+            split_part="train",
+            worker_config=_worker_config(rank, world, d.num_workers, seed),
+            batch_size=micro_batch,
+            shuffle_buffer_size=d.shuffle_buffer_size or None,
+            max_samples_per_sequence=d.max_samples_per_sequence or None,
+            task_encoder=FluxTaskEncoder(),
+        )
         self.loader = get_savable_loader(dataset)
         self._iter = None  # started by the first batch, i.e. after run_start: no data is read before it
 
@@ -88,8 +114,12 @@ class EnergonTrainStream(TrainStream):
 
     def state_dict(self) -> dict:
         # energon's state is a pickled dataclass; kept as bytes so the checkpoint loads with weights_only=True
-        return {"rank": self.rank, "world_size": self.world, "num_workers": self.num_workers,
-                "energon": pickle.dumps(self.loader.save_state_rank())}
+        return {
+            "rank": self.rank,
+            "world_size": self.world,
+            "num_workers": self.num_workers,
+            "energon": pickle.dumps(self.loader.save_state_rank()),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key, mine in (("world_size", self.world), ("num_workers", self.num_workers), ("rank", self.rank)):
@@ -97,7 +127,8 @@ class EnergonTrainStream(TrainStream):
                 raise ValueError(
                     f"data loader state was saved with {key}={state[key]}, this run has {key}={mine}: energon "
                     f"resumes the exact sample order only with the same world size, num_workers and rank; "
-                    f"resume with the original layout (data.num_workers, number of GPUs) or start the data fresh")
+                    f"resume with the original layout (data.num_workers, number of GPUs) or start the data fresh"
+                )
         if self._iter is not None:
             raise RuntimeError("load_state_dict must be called before the first batch")
         self.loader.restore_state_rank(pickle.loads(state["energon"]))
@@ -116,8 +147,15 @@ class EnergonVal:
     exactly once, and every rank yields the same number of batches (FSDP all-gathers in every forward):
     short batches are padded with copies of a real val sample marked valid=False."""
 
-    def __init__(self, path: Path, rank: int, world: int, batch: int, num_workers: int,
-                 check_sample: Callable[[dict], None] = lambda sample: None):
+    def __init__(
+        self,
+        path: Path,
+        rank: int,
+        world: int,
+        batch: int,
+        num_workers: int,
+        check_sample: Callable[[dict], None] = lambda sample: None,
+    ):
         self.path, self.rank, self.world, self.num_workers, self.batch = path, rank, world, num_workers, batch
         self.size = len(self._dataset(0, 1, 0))  # from the index: no sample is read here
         if self.size == 0:
@@ -125,16 +163,23 @@ class EnergonVal:
         counts = val_counts(self.size, world, num_workers)
         mine = len(self._dataset(rank, world, num_workers))
         if mine != counts[rank]:
-            raise RuntimeError(f"energon gives rank {rank} {mine} val samples, val_counts() predicts "
-                               f"{counts[rank]}: energon's split changed, update val_counts")
+            raise RuntimeError(
+                f"energon gives rank {rank} {mine} val samples, val_counts() predicts "
+                f"{counts[rank]}: energon's split changed, update val_counts"
+            )
         self.mine = counts[rank]
         self.num_batches = math.ceil(max(counts) / batch)
         self._template = None  # read at the first pass: nothing reads a sample before run_start
         self._check_sample = check_sample
 
     def _dataset(self, rank: int, world: int, workers: int):
-        return get_val_dataset(self.path, split_part="val", worker_config=_worker_config(rank, world, workers, 0),
-                               batch_size=None, task_encoder=FluxTaskEncoder())
+        return get_val_dataset(
+            self.path,
+            split_part="val",
+            worker_config=_worker_config(rank, world, workers, 0),
+            batch_size=None,
+            task_encoder=FluxTaskEncoder(),
+        )
 
     def template(self) -> dict:
         """The split's first sample: the padding of short batches, and the sample the dims are checked on."""
@@ -176,8 +221,15 @@ class DimsCheck:
     own description (format.METADATA) before anything is built, and on the first val sample, which must be what
     the description says (a dataset without one, as NVIDIA's tools prepare it, is checked on that sample alone)."""
 
-    def __init__(self, path: Path, info: DatasetInfo | None, empty_t5: torch.Tensor, empty_clip: torch.Tensor,
-                 m: ModelConfig, empty_dir: Path):
+    def __init__(
+        self,
+        path: Path,
+        info: DatasetInfo | None,
+        empty_t5: torch.Tensor,
+        empty_clip: torch.Tensor,
+        m: ModelConfig,
+        empty_dir: Path,
+    ):
         self.path, self.info, self.m, self.empty_dir = path, info, m, empty_dir
         self.empty = {"t5": list(empty_t5.shape[1:]), "clip": list(empty_clip.shape[1:])}
         if info is not None:
@@ -187,23 +239,31 @@ class DimsCheck:
         m = self.m
         for part, key in (("t5", "joint_attention_dim"), ("clip", "pooled_projection_dim")):
             if dims[part][-1] != getattr(m, key):
-                raise DataError(f"{what} have {part} {dims[part]}, the model takes {part} of width model.{key} "
-                                f"{getattr(m, key)}; use a model config with flux-schnell's input dims")
+                raise DataError(
+                    f"{what} have {part} {dims[part]}, the model takes {part} of width model.{key} "
+                    f"{getattr(m, key)}; use a model config with flux-schnell's input dims"
+                )
         channels, height, width = dims["mean"]
         if 4 * channels != m.in_channels or height % 2 or width % 2:
-            raise DataError(f"{what} have latents {dims['mean']}, the model takes {m.in_channels // 4} channels "
-                            f"(model.in_channels {m.in_channels}) of even height and width (2x2 patches)")
+            raise DataError(
+                f"{what} have latents {dims['mean']}, the model takes {m.in_channels // 4} channels "
+                f"(model.in_channels {m.in_channels}) of even height and width (2x2 patches)"
+            )
         for part in ("t5", "clip"):
             if self.empty[part] != dims[part]:
-                raise DataError(f"{what} have {part} {dims[part]}, the empty encodings in {self.empty_dir} "
-                                f"{self.empty[part]}; point data.empty_encodings at the ones made for this data")
+                raise DataError(
+                    f"{what} have {part} {dims[part]}, the empty encodings in {self.empty_dir} "
+                    f"{self.empty[part]}; point data.empty_encodings at the ones made for this data"
+                )
 
     def __call__(self, sample: dict) -> None:
         dims = {part: list(sample[part].shape) for part in PARTS}
         if self.info is not None and any(dims[p] != list(self.info.shape.of(p)) for p in PARTS):
-            raise DataError(f"{sample_where(sample)}: t5 {dims['t5']}, mean {dims['mean']}, but "
-                            f"{self.path / METADATA} says L,H,W {self.info.shape}; check the dataset with "
-                            f"`python -m dataprep verify {self.path}`")
+            raise DataError(
+                f"{sample_where(sample)}: t5 {dims['t5']}, mean {dims['mean']}, but "
+                f"{self.path / METADATA} says L,H,W {self.info.shape}; check the dataset with "
+                f"`python -m dataprep verify {self.path}`"
+            )
         self.check(dims, f"{sample_where(sample)}: the samples")
 
 
@@ -212,12 +272,21 @@ def _fixture(cfg: Config, rank: int) -> Path:
 
     d = cfg.data
     root = Path(d.fixture_dir) if d.fixture_dir else Path(cfg.logging.out_dir) / "fixture"
-    path = ensure_fixture(root, train=d.synthetic_train_samples, val=d.synthetic_val_samples,
-                          text_len=d.synthetic_text_len, height=d.synthetic_latent_size,
-                          width=d.synthetic_latent_size, seed=cfg.train.seed)
+    path = ensure_fixture(
+        root,
+        train=d.synthetic_train_samples,
+        val=d.synthetic_val_samples,
+        text_len=d.synthetic_text_len,
+        height=d.synthetic_latent_size,
+        width=d.synthetic_latent_size,
+        seed=cfg.train.seed,
+    )
     if rank == 0:
-        print(f"flux-train: data.path is unset, training on the fixture dataset {path} (a debug set: "
-              f"{d.synthetic_train_samples} train, {d.synthetic_val_samples} val samples)", flush=True)
+        print(
+            f"flux-train: data.path is unset, training on the fixture dataset {path} (a debug set: "
+            f"{d.synthetic_train_samples} train, {d.synthetic_val_samples} val samples)",
+            flush=True,
+        )
     return path
 
 
@@ -228,8 +297,10 @@ def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
             raise ConfigError(f"data.{key}: must be >= 0, got {getattr(d, key)}")
     path = Path(d.path) if d.path else _fixture(cfg, rank)
     if not (path / ".nv-meta" / "dataset.yaml").is_file():
-        raise DataError(f"{path}: not a prepared energon dataset (no .nv-meta/dataset.yaml); run "
-                        f"`python -m dataprep prepare {path}`")
+        raise DataError(
+            f"{path}: not a prepared energon dataset (no .nv-meta/dataset.yaml); run "
+            f"`python -m dataprep prepare {path}`"
+        )
     empty_dir = Path(d.empty_encodings) if d.empty_encodings else path / "empty_encodings"
     try:
         empty_t5, empty_clip = load_empty_encodings(empty_dir)
@@ -240,5 +311,3 @@ def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
     val = EnergonVal(path, rank, world, cfg.eval.batch_size, d.num_workers, check_sample=dims)
     train = EnergonTrainStream(path, rank, world, cfg.train.micro_batch_size, d, cfg.train.seed)
     return DataSource(train, val, empty_t5, empty_clip, val.size)
-
-

@@ -1,4 +1,5 @@
 """Errors that name a bad input, and the one way every command reports them: one line on stderr, exit 2."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,6 @@
 """Validation loss: one forward per val sample at t = k/8, fresh noise, no caption dropout, per-sample MSE
 summed with the sample count across all ranks; val loss = sum / count."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,18 @@ def _reshard(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, *, device: torch.device, dtype: torch.dtype, seed: int, eval_index: int,
-             rank: int, shift: float, scale: float) -> tuple[float, int]:
+def evaluate(
+    model: nn.Module,
+    batches,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    eval_index: int,
+    rank: int,
+    shift: float,
+    scale: float,
+) -> tuple[float, int]:
     """Returns (val loss, number of samples counted over all ranks)."""
     was_training = model.training
     model.eval()

@@ -3,6 +3,7 @@
 Everything that draws random numbers takes an explicit torch.Generator so each data-parallel rank owns its
 stream (noise/timesteps and caption dropout on separate generators) and tests can replay it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ def seeded_generator(device: torch.device, seed: int, step: int, micro_batch: in
     return torch.Generator(device=device).manual_seed(int(mixed[0]) << 31 | int(mixed[1]) >> 1)
 
 
-def sample_latent(mean: torch.Tensor, logvar: torch.Tensor, eps: torch.Tensor, shift: float,
-                  scale: float) -> torch.Tensor:
+def sample_latent(
+    mean: torch.Tensor, logvar: torch.Tensor, eps: torch.Tensor, shift: float, scale: float
+) -> torch.Tensor:
     """x0 = (mean + exp(logvar/2) * eps - shift) * scale, in fp32."""
     z = mean.float() + torch.exp(0.5 * logvar.float()) * eps.float()
     return (z - shift) * scale
@@ -77,8 +79,14 @@ def eval_timesteps(k: torch.Tensor) -> torch.Tensor:
     return k.float() / EVAL_TIMESTEP_BINS
 
 
-def caption_dropout(t5: torch.Tensor, clip: torch.Tensor, empty_t5: torch.Tensor, empty_clip: torch.Tensor,
-                    prob: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def caption_dropout(
+    t5: torch.Tensor,
+    clip: torch.Tensor,
+    empty_t5: torch.Tensor,
+    empty_clip: torch.Tensor,
+    prob: float,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """With probability `prob` per sample replace both encodings by the empty-string ones."""
     drop = torch.rand(t5.shape[0], device=t5.device, generator=gen) < prob
     t5 = torch.where(drop.view(-1, 1, 1), empty_t5.to(t5.dtype).expand_as(t5), t5)
@@ -98,12 +106,14 @@ class ModelInputs:
     y: torch.Tensor
 
     def as_kwargs(self) -> dict:
-        return dict(img=self.img, img_ids=self.img_ids, txt=self.txt, txt_ids=self.txt_ids, timesteps=self.timesteps,
-                    y=self.y)
+        return dict(
+            img=self.img, img_ids=self.img_ids, txt=self.txt, txt_ids=self.txt_ids, timesteps=self.timesteps, y=self.y
+        )
 
 
-def build_inputs(batch: dict, t: torch.Tensor, gen: torch.Generator, shift: float, scale: float,
-                 dtype: torch.dtype) -> tuple[ModelInputs, torch.Tensor]:
+def build_inputs(
+    batch: dict, t: torch.Tensor, gen: torch.Generator, shift: float, scale: float, dtype: torch.dtype
+) -> tuple[ModelInputs, torch.Tensor]:
     """Model inputs and velocity target for a batch (dict of t5, clip, mean, logvar) at timesteps t.
     Inputs go to the model in the compute dtype, timesteps included (as the reference's mixed precision casts
     them); position ids stay fp32 for the RoPE tables."""

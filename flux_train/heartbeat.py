@@ -6,6 +6,7 @@ seconds with what the loop last reported (`beat`, no I/O on the training thread)
 or dead stops refreshing its file; a rank that is alive but held up elsewhere keeps refreshing it with an older
 step or phase. The run folder is shared by all nodes.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 INTERVAL_S = 2.0
-
 
 
 def node_name() -> str:
@@ -82,9 +82,15 @@ def stragglers(folder: Path, world: int, interval_s: float = INTERVAL_S) -> str:
     silent = [b for b in beats.values() if now - b.time > 3 * interval_s]
     alive = [b for b in beats.values() if b not in silent]
     front = max(((b.step, b.phase) for b in alive), default=None)
-    parts = [f"rank {b.rank} on {b.host} has been silent for {now - b.time:.0f} s (stopped, hung or dead; last at "
-             f"step {b.step}, {b.phase})" for b in sorted(silent, key=lambda b: b.rank)]
-    parts += [f"rank {b.rank} on {b.host} is at step {b.step} ({b.phase}), behind step {front[0]} ({front[1]})"
-              for b in sorted(alive, key=lambda b: b.rank) if front and (b.step, b.phase) != front]
+    parts = [
+        f"rank {b.rank} on {b.host} has been silent for {now - b.time:.0f} s (stopped, hung or dead; last at "
+        f"step {b.step}, {b.phase})"
+        for b in sorted(silent, key=lambda b: b.rank)
+    ]
+    parts += [
+        f"rank {b.rank} on {b.host} is at step {b.step} ({b.phase}), behind step {front[0]} ({front[1]})"
+        for b in sorted(alive, key=lambda b: b.rank)
+        if front and (b.step, b.phase) != front
+    ]
     parts += [f"rank {r} never reported" for r in sorted(set(range(world)) - set(beats))]
     return "; ".join(parts) if parts else "every rank is alive at the same step: the collective itself stalled"

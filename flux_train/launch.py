@@ -15,6 +15,7 @@ which passes it on to its workers; they save a checkpoint and exit with preempti
 creates the flag file that the batch script's teardown turns into `scontrol requeue` on the host. SIGTERM
 (scancel, the end of the time limit) goes on to the workers as well, and the agent exits with 143.
 """
+
 from __future__ import annotations
 
 import logging
@@ -66,8 +67,14 @@ class Node:
 
         env = SlurmJobEnvironment()
         hosts = env.hostnames
-        return cls(env.job_id, env.node, env.num_nodes, hosts[env.node], hosts[0],
-                   int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+        return cls(
+            env.job_id,
+            env.node,
+            env.num_nodes,
+            hosts[env.node],
+            hosts[0],
+            int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+        )
 
     def port(self, configured: int) -> int:
         if self.count == 1:
@@ -293,10 +300,10 @@ def describe_failure(err, host: str, worker_logs: Path) -> str:
     first_rank = err.get_first_failure()[0]
     lines = []
     for rank, failure in sorted(err.failures.items(), key=lambda item: item[0] != first_rank):
-        cause = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
-                 else f"exit code {failure.exitcode}")
-        lines.append(f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) on {host} "
-                     f"failed: {cause}")
+        cause = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        lines.append(
+            f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) on {host} failed: {cause}"
+        )
         # the launcher's layout: <log_dir>/<run id>_<random>/attempt_<n>/<local rank>/stderr.log
         for stderr in worker_logs.glob(f"*/attempt_*/{failure.local_rank}/stderr.log"):
             lines += ["    " + line for line in stderr.read_text(errors="replace").splitlines()[-15:]]
@@ -322,12 +329,18 @@ def request_requeue(cfg: Config, node: Node) -> str:
         after = f"the next start resumes from {resume} (checkpoint.resume)"
     flag = os.environ.get(REQUEUE_FLAG_ENV)
     if not flag:
-        log(node, f"workers saved a checkpoint and stopped; no requeue hook (${REQUEUE_FLAG_ENV} is unset: not "
-                  f"started by flux_train.submit or slurm/flux.sbatch): run the same command again; {after}")
+        log(
+            node,
+            f"workers saved a checkpoint and stopped; no requeue hook (${REQUEUE_FLAG_ENV} is unset: not "
+            f"started by flux_train.submit or slurm/flux.sbatch): run the same command again; {after}",
+        )
         return "preempted"
     if node.restarts >= cfg.slurm.max_requeue:
-        log(node, f"workers saved a checkpoint and stopped; not requeueing: the job was already requeued "
-                  f"{node.restarts} times (slurm.max_requeue={cfg.slurm.max_requeue})")
+        log(
+            node,
+            f"workers saved a checkpoint and stopped; not requeueing: the job was already requeued "
+            f"{node.restarts} times (slurm.max_requeue={cfg.slurm.max_requeue})",
+        )
         return "preempted"
     Path(flag).touch()
     log(node, f"workers saved a checkpoint and stopped; asked the batch script to requeue the job; {after}")
@@ -346,8 +359,11 @@ def run_node(cfg: Config, local: bool = False) -> str:
     local_dir = local_dir_for(cfg, node)
     local_dir.mkdir(parents=True, exist_ok=True)
     restart = f", restart {node.restarts}" if node.restarts else ""
-    log(node, f"job {node.job_id}{restart}: {nproc} workers per node x {node.count} nodes, rendezvous at "
-              f"{node.master}, node-local dir {local_dir}")
+    log(
+        node,
+        f"job {node.job_id}{restart}: {nproc} workers per node x {node.count} nodes, rendezvous at "
+        f"{node.master}, node-local dir {local_dir}",
+    )
     exported, kept = export_env(wanted_env(cfg, local_dir))
     for key, value in exported.items():
         log(node, f"export {key}={value}")
@@ -391,8 +407,14 @@ class NodeAgent:
 def main(argv=None) -> int:
     p = Parser(prog="python -m flux_train.launch", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML config (a system file from configs/systems/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value; repeatable")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value; repeatable",
+    )
     p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")
     args = p.parse_args(argv)
     try:

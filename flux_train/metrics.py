@@ -1,4 +1,5 @@
 """Training metrics: throughput, TFLOP/s, MFU, memory, data wait; a metrics line, a progress bar, TensorBoard."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,7 @@ from pathlib import Path
 import torch
 
 # dense bf16 peak per GPU, for MFU; the bench measures the achievable ceiling itself
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "MI300X": 1307.0, "MI325X": 1307.0,
-                    "MI355X": 2500.0}
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "MI300X": 1307.0, "MI325X": 1307.0, "MI355X": 2500.0}
 
 
 def peak_tflops(device: torch.device) -> float | None:
@@ -23,8 +23,18 @@ def peak_tflops(device: torch.device) -> float | None:
 class Metrics:
     """Accumulates step timings between log lines; rank 0 prints and writes JSONL/TensorBoard."""
 
-    def __init__(self, out_dir: Path, device: torch.device, world_size: int, max_steps: int, enabled: bool, progress_bar: bool, tensorboard: bool, append: bool = False,
-                 start_step: int = 0):
+    def __init__(
+        self,
+        out_dir: Path,
+        device: torch.device,
+        world_size: int,
+        max_steps: int,
+        enabled: bool,
+        progress_bar: bool,
+        tensorboard: bool,
+        append: bool = False,
+        start_step: int = 0,
+    ):
         self.device, self.world = device, world_size
         self.enabled = enabled
         self.peak = peak_tflops(device)
@@ -40,8 +50,10 @@ class Metrics:
 
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"))
             except ImportError:
-                print("logging.tensorboard=true but tensorboard is not installed; pip install tensorboard",
-                      file=sys.stderr)
+                print(
+                    "logging.tensorboard=true but tensorboard is not installed; pip install tensorboard",
+                    file=sys.stderr,
+                )
         self.bar = None
         if enabled and progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
@@ -62,8 +74,14 @@ class Metrics:
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
         sps = self._samples / elapsed
         tflops = sps * flops_per_sample / 1e12 / self.world
-        row = {"step": step, **scalars, "samples_per_s": sps, "samples_per_s_per_gpu": sps / self.world,
-               "tflops_per_gpu": tflops, "data_wait_pct": 100.0 * self._data_wait / elapsed}
+        row = {
+            "step": step,
+            **scalars,
+            "samples_per_s": sps,
+            "samples_per_s_per_gpu": sps / self.world,
+            "tflops_per_gpu": tflops,
+            "data_wait_pct": 100.0 * self._data_wait / elapsed,
+        }
         if self.peak:
             row["mfu_pct"] = 100.0 * tflops / self.peak
         if self.device.type == "cuda":

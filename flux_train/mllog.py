@@ -1,4 +1,5 @@
 """MLLOG events through mlperf-logging, from rank 0 only (docs/benchmark.md, "MLPerf log")."""
+
 from __future__ import annotations
 
 import logging
@@ -51,19 +52,31 @@ class MLLogger:
         """Everything the checker wants before run_start, with init_start last."""
         t, lg = cfg.train, cfg.logging
         for key, value in (
-                (C.CACHE_CLEAR, True), (C.SUBMISSION_BENCHMARK, C.FLUX1),
-                (C.SUBMISSION_DIVISION, lg.submission_division), (C.SUBMISSION_ORG, lg.submission_org),
-                (C.SUBMISSION_PLATFORM, lg.submission_platform), (C.SUBMISSION_POC_NAME, lg.submission_poc_name),
-                (C.SUBMISSION_POC_EMAIL, lg.submission_poc_email), (C.SUBMISSION_STATUS, lg.submission_status),
-                (C.TRAIN_SAMPLES, TRAIN_SAMPLES), (C.EVAL_SAMPLES, EVAL_SAMPLES), (C.SEED, t.seed),
-                (C.GLOBAL_BATCH_SIZE, t.global_batch_size), ("micro_batch_size", t.micro_batch_size),
-                (C.OPT_NAME, "adamw"), (C.OPT_BASE_LR, t.lr), (C.OPT_LR_WARMUP_STEPS, t.warmup_steps),
-                (C.OPT_ADAMW_BETA_1, t.adam_beta1), (C.OPT_ADAMW_BETA_2, t.adam_beta2),
-                (C.OPT_ADAMW_EPSILON, t.adam_eps), (C.OPT_ADAMW_WEIGHT_DECAY, t.weight_decay),
-                (C.OPT_GRADIENT_CLIP_NORM, t.grad_clip_norm),
-                (C.GRADIENT_ACCUMULATION_STEPS, accumulation_steps(cfg, world_size)),
-                # the rule's sample cadence (262144); a debug run's eval.every_steps does not change what is logged
-                (EVALUATION_FREQUENCY, cfg.eval.every_samples)):
+            (C.CACHE_CLEAR, True),
+            (C.SUBMISSION_BENCHMARK, C.FLUX1),
+            (C.SUBMISSION_DIVISION, lg.submission_division),
+            (C.SUBMISSION_ORG, lg.submission_org),
+            (C.SUBMISSION_PLATFORM, lg.submission_platform),
+            (C.SUBMISSION_POC_NAME, lg.submission_poc_name),
+            (C.SUBMISSION_POC_EMAIL, lg.submission_poc_email),
+            (C.SUBMISSION_STATUS, lg.submission_status),
+            (C.TRAIN_SAMPLES, TRAIN_SAMPLES),
+            (C.EVAL_SAMPLES, EVAL_SAMPLES),
+            (C.SEED, t.seed),
+            (C.GLOBAL_BATCH_SIZE, t.global_batch_size),
+            ("micro_batch_size", t.micro_batch_size),
+            (C.OPT_NAME, "adamw"),
+            (C.OPT_BASE_LR, t.lr),
+            (C.OPT_LR_WARMUP_STEPS, t.warmup_steps),
+            (C.OPT_ADAMW_BETA_1, t.adam_beta1),
+            (C.OPT_ADAMW_BETA_2, t.adam_beta2),
+            (C.OPT_ADAMW_EPSILON, t.adam_eps),
+            (C.OPT_ADAMW_WEIGHT_DECAY, t.weight_decay),
+            (C.OPT_GRADIENT_CLIP_NORM, t.grad_clip_norm),
+            (C.GRADIENT_ACCUMULATION_STEPS, accumulation_steps(cfg, world_size)),
+            # the rule's sample cadence (262144); a debug run's eval.every_steps does not change what is logged
+            (EVALUATION_FREQUENCY, cfg.eval.every_samples),
+        ):
             self.event(key, value)
 
     # the training loop's events, in one place

@@ -12,6 +12,7 @@ from its own fans with zero bias, the time/vector embedders N(0, 0.02), every ad
 projection zero. Each parameter is drawn as a full tensor from its own generator (seed, parameter index)
 and then sharded, so the initial weights do not depend on the number of ranks or the parallel layout.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,6 +32,7 @@ MLP_RATIO = 4
 
 
 # ------------------------------------------------------------------------------------------------ math
+
 
 def timestep_embedding(t: torch.Tensor, dim: int = TIME_EMBED_DIM, max_period: float = 10_000) -> torch.Tensor:
     """Sinusoidal embedding [cos | sin] of `t` (already scaled by TIME_FACTOR), computed in fp32."""
@@ -80,6 +82,7 @@ def layer_norm(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ modules
 
+
 class MLPEmbedder(nn.Module):
     def __init__(self, in_dim: int, hidden: int):
         super().__init__()
@@ -125,8 +128,9 @@ class StreamAttention(nn.Module):
 
 
 def mlp(hidden: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(hidden, MLP_RATIO * hidden), nn.GELU(approximate="tanh"),
-                         nn.Linear(MLP_RATIO * hidden, hidden))
+    return nn.Sequential(
+        nn.Linear(hidden, MLP_RATIO * hidden), nn.GELU(approximate="tanh"), nn.Linear(MLP_RATIO * hidden, hidden)
+    )
 
 
 class DoubleStreamBlock(nn.Module):
@@ -139,14 +143,15 @@ class DoubleStreamBlock(nn.Module):
         self.txt_attn = StreamAttention(hidden, head_dim, rmsnorm_impl)
         self.txt_mlp = mlp(hidden)
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor,
-                pe: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor, pe: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.img_mod(vec)
         t_shift, t_scale, t_gate, t_shift_mlp, t_scale_mlp, t_gate_mlp = self.txt_mod(vec)
         img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(layer_norm(img), shift, scale))
         txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(layer_norm(txt), t_shift, t_scale))
         out = attention(torch.cat((txt_q, img_q), 1), torch.cat((txt_k, img_k), 1), torch.cat((txt_v, img_v), 1), pe)
-        txt_out, img_out = out[:, :txt.shape[1]], out[:, txt.shape[1]:]
+        txt_out, img_out = out[:, : txt.shape[1]], out[:, txt.shape[1] :]
         img = img + gate[:, None] * self.img_attn.proj(img_out)
         img = img + gate_mlp[:, None] * self.img_mlp(modulate(layer_norm(img), shift_mlp, scale_mlp))
         txt = txt + t_gate[:, None] * self.txt_attn.proj(txt_out)
@@ -168,7 +173,8 @@ class SingleStreamBlock(nn.Module):
     def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         shift, scale, gate = self.modulation(vec)
         qkv, mlp_in = self.linear1(modulate(layer_norm(x), shift, scale)).split(
-            [3 * self.hidden, MLP_RATIO * self.hidden], dim=-1)
+            [3 * self.hidden, MLP_RATIO * self.hidden], dim=-1
+        )
         q, k, v = qkv.unflatten(-1, (3, -1, self.head_dim)).unbind(2)
         out = attention(self.norm.query_norm(q), self.norm.key_norm(k), v, pe)
         return x + gate[:, None] * self.linear2(torch.cat((out, F.gelu(mlp_in, approximate="tanh")), dim=2))
@@ -200,10 +206,10 @@ class FluxModel(nn.Module):
         self.time_in = MLPEmbedder(TIME_EMBED_DIM, hidden)
         self.vector_in = MLPEmbedder(cfg.pooled_projection_dim, hidden)
         self.txt_in = nn.Linear(cfg.joint_attention_dim, hidden)
-        self.double_blocks = nn.ModuleList(DoubleStreamBlock(hidden, head, rmsnorm_impl)
-                                           for _ in range(cfg.num_layers))
-        self.single_blocks = nn.ModuleList(SingleStreamBlock(hidden, head, rmsnorm_impl)
-                                           for _ in range(cfg.num_single_layers))
+        self.double_blocks = nn.ModuleList(DoubleStreamBlock(hidden, head, rmsnorm_impl) for _ in range(cfg.num_layers))
+        self.single_blocks = nn.ModuleList(
+            SingleStreamBlock(hidden, head, rmsnorm_impl) for _ in range(cfg.num_single_layers)
+        )
         self.final_layer = LastLayer(hidden, cfg.in_channels)
 
     def forward(self, img, img_ids, txt, txt_ids, timesteps, y) -> torch.Tensor:
@@ -216,7 +222,7 @@ class FluxModel(nn.Module):
         x = torch.cat((txt, img), dim=1)
         for block in self.single_blocks:
             x = block(x, vec, pe)
-        return self.final_layer(x[:, txt.shape[1]:], vec)
+        return self.final_layer(x[:, txt.shape[1] :], vec)
 
 
 def build_model(mcfg: ModelConfig, rmsnorm_impl: str = "auto") -> FluxModel:
@@ -233,11 +239,15 @@ def block_stacks(model: FluxModel) -> tuple[nn.ModuleList, nn.ModuleList]:
 def is_token_linear(fqn: str, module: nn.Module) -> bool:
     """The blocks' Linears that run on every token (where FP8 pays); not the adaLN modulations, which run on
     one row per sample (their weight-gradient GEMM has K = batch)."""
-    return (isinstance(module, nn.Linear) and fqn.startswith(("double_blocks.", "single_blocks."))
-            and not fqn.endswith(("_mod.lin", "modulation.lin")))
+    return (
+        isinstance(module, nn.Linear)
+        and fqn.startswith(("double_blocks.", "single_blocks."))
+        and not fqn.endswith(("_mod.lin", "modulation.lin"))
+    )
 
 
 # ------------------------------------------------------------------------------------------------ init
+
 
 def init_rule(fqn: str, module: nn.Module) -> tuple[str, float]:
     """('zero' | 'ones' | 'normal' | 'xavier', scale) for the weight of a Linear or RMSNorm by its name."""
@@ -278,8 +288,10 @@ def reference_init(model: nn.Module, seed: int, device) -> Iterator[tuple[str, t
         rule, scale = init_rule(prefix, module)
         gen = torch.Generator(device=device).manual_seed(seed * 100_003 + index)
         index += 1
-        yield (f"{prefix}.scale" if isinstance(module, RMSNorm) else f"{prefix}.weight",
-               _draw(rule, scale, weight.shape, gen, device))
+        yield (
+            f"{prefix}.scale" if isinstance(module, RMSNorm) else f"{prefix}.weight",
+            _draw(rule, scale, weight.shape, gen, device),
+        )
         if getattr(module, "bias", None) is not None:
             yield f"{prefix}.bias", torch.zeros(module.bias.shape, device=device)
 
@@ -302,11 +314,15 @@ def check_weights(model: nn.Module, values: dict[str, torch.Tensor], source: str
         if name not in values:
             raise ValueError(f"{source}: no tensor '{name}' (is it a FLUX.1 transformer of flavor {model.cfg.flavor}?)")
         if tuple(values[name].shape) != tuple(p.shape):
-            raise ValueError(f"{source}: '{name}' has shape {tuple(values[name].shape)}, the model "
-                             f"'{model.cfg.flavor}' needs {tuple(p.shape)}")
+            raise ValueError(
+                f"{source}: '{name}' has shape {tuple(values[name].shape)}, the model "
+                f"'{model.cfg.flavor}' needs {tuple(p.shape)}"
+            )
     extra = sorted(set(values) - set(params))
     if extra:
-        raise ValueError(f"{source}: unexpected tensor '{extra[0]}' ({len(extra)} in all) for flavor {model.cfg.flavor}")
+        raise ValueError(
+            f"{source}: unexpected tensor '{extra[0]}' ({len(extra)} in all) for flavor {model.cfg.flavor}"
+        )
 
 
 def assign_weights(model: nn.Module, values: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -342,9 +358,19 @@ def flops_per_sample(mcfg: ModelConfig, text_len: int, image_tokens: int) -> flo
     # linear1 7h^2 + linear2 5h^2)
     block_matmul = 2 * blocks * 12 * h * h * seq
     attention_flops = blocks * 4 * seq * seq * h
-    io = 2 * (mcfg.in_channels * h * image_tokens + mcfg.joint_attention_dim * h * text_len
-              + h * mcfg.in_channels * image_tokens)
+    io = 2 * (
+        mcfg.in_channels * h * image_tokens
+        + mcfg.joint_attention_dim * h * text_len
+        + h * mcfg.in_channels * image_tokens
+    )
     # once per sample: adaLN modulations (6h^2 per double stream, 3h^2 single, 2h^2 final), time/text MLPs
-    per_sample_weights = (mcfg.num_layers * 2 * 6 * h * h + mcfg.num_single_layers * 3 * h * h + 2 * h * h
-                          + TIME_EMBED_DIM * h + h * h + mcfg.pooled_projection_dim * h + h * h)
+    per_sample_weights = (
+        mcfg.num_layers * 2 * 6 * h * h
+        + mcfg.num_single_layers * 3 * h * h
+        + 2 * h * h
+        + TIME_EMBED_DIM * h
+        + h * h
+        + mcfg.pooled_projection_dim * h
+        + h * h
+    )
     return 3.0 * (block_matmul + attention_flops + io + 2 * per_sample_weights)

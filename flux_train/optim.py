@@ -1,4 +1,5 @@
 """AdamW with the rules' fixed hyperparameters, the warm-up-then-hold LR, and global-norm clipping."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,14 @@ def build_optimizer(model: nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
     on_gpu = bool(params) and params[0].device.type == "cuda"
     # a float lr: fused AdamW on FSDP2's DTensor parameters with a tensor lr ran the host out of memory
     # (130 GiB per rank in one step, seen on 4 H200 with torch 2.11)
-    return torch.optim.AdamW(params, lr=lr_at(0, tcfg.lr, tcfg.warmup_steps), betas=(tcfg.adam_beta1, tcfg.adam_beta2),
-                             eps=tcfg.adam_eps, weight_decay=tcfg.weight_decay, fused=on_gpu or None)
+    return torch.optim.AdamW(
+        params,
+        lr=lr_at(0, tcfg.lr, tcfg.warmup_steps),
+        betas=(tcfg.adam_beta1, tcfg.adam_beta2),
+        eps=tcfg.adam_eps,
+        weight_decay=tcfg.weight_decay,
+        fused=on_gpu or None,
+    )
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -4,6 +4,7 @@
 A run always has a process group (world size 1 when started without a launcher), so one code path
 shards, reduces and checkpoints whether it runs on one CPU or on many nodes.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -63,8 +64,13 @@ def init_distributed(pcfg: ParallelConfig, device_choice: str = "auto", flight_r
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
             os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(flight_recorder_dir) / "rank_"))
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
+            )
         else:  # plain `python -m flux_train.train`: a one-process group, no network
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     mesh = build_mesh(pcfg, world, local_world, device.type)
@@ -96,8 +102,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, param_
     """FSDP2 per block (blocks already compiled / checkpoint-wrapped), root last. Inputs are not cast: the
     trainer passes them in the compute dtype and the RoPE tables stay fp32. Each block prefetches the next
     one's weights in forward and the previous one's in backward."""
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype(pcfg, param_dtype),
-                              cast_forward_inputs=False)
+    mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype(pcfg, param_dtype), cast_forward_inputs=False
+    )
     shard_mesh = fsdp_mesh(mesh)
     blocks = [block for stack in block_stacks(model) for block in stack]
     for block in blocks:
@@ -116,8 +123,15 @@ class FSDPTraining:
 
     strategy = "fsdp"
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, tcfg: TrainConfig,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        pcfg: ParallelConfig,
+        tcfg: TrainConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.model = parallelize(model, mesh, pcfg, dtype)
         self.model.to_empty(device=device)
         self.optimizer = build_optimizer(self.model, tcfg)
@@ -167,8 +181,14 @@ def checkpoint_blocks(model: nn.Module) -> nn.Module:
     return model
 
 
-def build_training(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, tcfg: TrainConfig,
-                   dtype: torch.dtype, device: torch.device) -> FSDPTraining | DDP:
+def build_training(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    pcfg: ParallelConfig,
+    tcfg: TrainConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> FSDPTraining | DDP:
     """The model's training layout, weights allocated on `device`, not yet initialised."""
     if pcfg.strategy == "ddp":
         return DDP(model, mesh, tcfg, dtype, device)

@@ -10,6 +10,7 @@
 - `CudaGraph`: a callable captured once and replayed; the trainer captures each micro-batch's forward +
   backward (parallel.strategy=ddp, whose weights and gradient buffers never move).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -39,8 +40,11 @@ def apply_fp8(model: nn.Module, recipe: str, impl: str, device: torch.device) ->
     if impl == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
-                                          module_filter_fn=lambda module, fqn: is_token_linear(fqn, module))
+        return convert_to_float8_training(
+            model,
+            config=Float8LinearConfig.from_recipe_name(recipe),
+            module_filter_fn=lambda module, fqn: is_token_linear(fqn, module),
+        )
     return convert_to_fp8(model, recipe, device_e4m3(device), is_token_linear)
 
 

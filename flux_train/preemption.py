@@ -14,6 +14,7 @@ comes back.
 
 So the lead time must cover up to log_every steps, one checkpoint save, and slack.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -38,14 +39,15 @@ def teardown() -> list[str]:
     return [f"source {shlex.quote(str(REQUEUE_SCRIPT))}"]
 
 
-
 @reports_user_errors
 def main(argv=None) -> int:
     from flux_train.config import load_config
 
-    p = Parser(prog="python -m flux_train.preemption",
-               description="Print the sbatch options of the preemption contract for a config "
-                           "(for `sbatch $(...) slurm/flux.sbatch --config CONFIG`).")
+    p = Parser(
+        prog="python -m flux_train.preemption",
+        description="Print the sbatch options of the preemption contract for a config "
+        "(for `sbatch $(...) slurm/flux.sbatch --config CONFIG`).",
+    )
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = p.parse_args(argv)

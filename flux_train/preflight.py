@@ -7,6 +7,7 @@ with one line per bad node naming the host, the reason and how to leave the node
 
     torchrun --nproc_per_node=8 -m flux_train.preflight [--config CFG] [--set k=v]   # the probe alone
 """
+
 from __future__ import annotations
 
 import os
@@ -47,15 +48,19 @@ def node_problems(cfg: Config, device: torch.device, gpus_per_node: int) -> list
             free, total = torch.cuda.mem_get_info(i)
             if (total - free) / 2**30 > IDLE_GPU_USED_GIB:
                 problems.append(f"GPU {i} has {(total - free) / 2**30:.1f} GiB in use by another process")
-    for what, folder in (("checkpoint", cfg.checkpoint.dir or Path(cfg.logging.out_dir) / "checkpoints"),
-                         ("log", cfg.logging.out_dir)):
+    for what, folder in (
+        ("checkpoint", cfg.checkpoint.dir or Path(cfg.logging.out_dir) / "checkpoints"),
+        ("log", cfg.logging.out_dir),
+    ):
         existing = Path(folder)
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         free_gb = shutil.disk_usage(existing).free / 1e9
         if free_gb < p.min_free_disk_gb:
-            problems.append(f"{free_gb:.0f} GB free for the {what} folder {folder}, preflight.min_free_disk_gb is "
-                            f"{p.min_free_disk_gb:g}")
+            problems.append(
+                f"{free_gb:.0f} GB free for the {what} folder {folder}, preflight.min_free_disk_gb is "
+                f"{p.min_free_disk_gb:g}"
+            )
     if cfg.data.source == "energon" and cfg.data.path:
         root = Path(cfg.data.path)
         if not (root / ".nv-meta" / "dataset.yaml").is_file():
@@ -92,20 +97,28 @@ def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) 
     busbw, seconds = bus_bandwidth(device, cfg.preflight.probe_mb) if dist.get_world_size() > 1 else (0.0, 0.0)
     floor = cfg.preflight.min_bus_bandwidth_gbps
     if dist.get_world_size() > 1 and dist.get_rank() == 0 and busbw < floor:
-        mine.append(f"all-reduce bus bandwidth over the {dist.get_world_size()} ranks is {busbw:.1f} GB/s, below "
-                    f"preflight.min_bus_bandwidth_gbps {floor:g} (the slowest link sets it)")
+        mine.append(
+            f"all-reduce bus bandwidth over the {dist.get_world_size()} ranks is {busbw:.1f} GB/s, below "
+            f"preflight.min_bus_bandwidth_gbps {floor:g} (the slowest link sets it)"
+        )
     reports: list = [None] * dist.get_world_size()
     dist.all_gather_object(reports, (host, mine))
     bad = {}
     for where, problems in reports:
         bad.setdefault(where, []).extend(problems)
-    lines = [f"pre-flight: {h}: {'; '.join(ps)} -- leave it out with `python -m flux_train.submit ... --exclude {h}`"
-             for h, ps in bad.items() if ps]
+    lines = [
+        f"pre-flight: {h}: {'; '.join(ps)} -- leave it out with `python -m flux_train.submit ... --exclude {h}`"
+        for h, ps in bad.items()
+        if ps
+    ]
     if lines:
         raise PreflightError("\n".join(lines))
     if dist.get_rank() == 0 and dist.get_world_size() > 1:
-        print(f"pre-flight: {len(bad)} node(s) fit; all-reduce bus bandwidth {busbw:.1f} GB/s over "
-              f"{dist.get_world_size()} ranks ({cfg.preflight.probe_mb} MB, probe took {seconds:.1f} s)", flush=True)
+        print(
+            f"pre-flight: {len(bad)} node(s) fit; all-reduce bus bandwidth {busbw:.1f} GB/s over "
+            f"{dist.get_world_size()} ranks ({cfg.preflight.probe_mb} MB, probe took {seconds:.1f} s)",
+            flush=True,
+        )
     return busbw
 
 
@@ -115,8 +128,14 @@ def main(argv=None) -> int:
 
     ap = Parser(prog="python -m flux_train.preflight", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/debug.yaml", help="the run's config (what to check)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override one config value; repeatable")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value; repeatable",
+    )
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     try:

@@ -12,6 +12,7 @@ breaks here, and the tests named beside each fail first.
   package's public interface is its command line, which prints and exits; `results` needs the verdicts keyed
   by log key. Tests: tests/test_results.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,10 @@ def split_samples_to_workers(total: int, workers: int) -> list[int]:
     from megatron.energon import WorkerConfig
     from megatron.energon.flavors.webdataset.sharder import Sharder
 
-    return [int(o) for o in Sharder.split_samples_to_workers(0, total, WorkerConfig(rank=0, world_size=1,
-                                                                                    num_workers=workers))]
+    return [
+        int(o)
+        for o in Sharder.split_samples_to_workers(0, total, WorkerConfig(rank=0, world_size=1, num_workers=workers))
+    ]
 
 
 @dataclass
@@ -53,8 +56,9 @@ def compliance_check(log: Path, usage: str, ruleset: str) -> CheckerVerdict:
     except Exception as exc:  # the rule files run code through exec; an odd log can make it raise
         checker.put_message(f"the checker raised {type(exc).__name__}: {exc}")
         passed = False
-    return CheckerVerdict(passed, dict(checker.overwritable), list(checker.not_overwritable),
-                          list(checker.warnings.values()))
+    return CheckerVerdict(
+        passed, dict(checker.overwritable), list(checker.not_overwritable), list(checker.warnings.values())
+    )
 
 
 def rcp_check(folder: Path, usage: str, ruleset: str) -> tuple[bool, str, float]:

@@ -4,6 +4,7 @@ end of a run): training loss, validation loss against the target, and samples/s 
 The plotted numbers also travel inside the PNG (text chunk `flux_train.report`, JSON), so a reader (or a test)
 can check them against metrics.jsonl without the run folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ def series(rows: list[dict], global_batch_size: int) -> dict[str, list[list[floa
     return {
         "train_loss": [[r["step"] * global_batch_size, r["loss"]] for r in rows if "loss" in r],
         "val_loss": [[r["samples"], r["val_loss"]] for r in rows if "val_loss" in r],
-        "samples_per_s_per_gpu": [[r["step"] * global_batch_size, r["samples_per_s_per_gpu"]]
-                                  for r in rows if "samples_per_s_per_gpu" in r],
+        "samples_per_s_per_gpu": [
+            [r["step"] * global_batch_size, r["samples_per_s_per_gpu"]] for r in rows if "samples_per_s_per_gpu" in r
+        ],
     }
 
 
@@ -53,12 +55,16 @@ def write_report(run_dir: Path, global_batch_size: int, target: float) -> Path:
     val = data["val_loss"]
     draw_val_loss(val_ax, {"validation loss": val}, target)
     reached = " (target reached)" if val and val[-1][1] <= target else ""
-    val_ax.set_title(f"validation loss: {val[-1][1]:.4f} at {val[-1][0]:,} samples{reached}" if val else
-                     "validation loss: no eval yet")
+    val_ax.set_title(
+        f"validation loss: {val[-1][1]:.4f} at {val[-1][0]:,} samples{reached}"
+        if val
+        else "validation loss: no eval yet"
+    )
     if data["samples_per_s_per_gpu"]:
         speed_ax.plot(*zip(*data["samples_per_s_per_gpu"]), color="tab:green", marker=".")
-    speed_ax.set(xlabel="training samples", ylabel="samples/s per GPU",
-                 title="throughput (mean over each logging window)")
+    speed_ax.set(
+        xlabel="training samples", ylabel="samples/s per GPU", title="throughput (mean over each logging window)"
+    )
     speed_ax.set_ylim(bottom=0)
     for ax in (train_ax, speed_ax):
         ax.grid(alpha=0.3)

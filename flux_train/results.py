@@ -5,6 +5,7 @@ status, samples to converge, evals, last val loss and the official compliance ch
 the MLPerf score (olympic mean of 10 runs), samples to converge, the official RCP checker's verdict, and a PNG
 of val loss against samples. Exit status 1 if a log is unreadable or fails compliance.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -171,8 +172,9 @@ def check_compliance(log: Path) -> Compliance:
     keyed = [f"{key}: {_brief(msg)}" for key, msg in verdict.by_key.items()]
     unkeyed = [_brief(msg) for msg in verdict.unkeyed]
     named = {key for msg in unkeyed for key in _keys_named(msg)}
-    return Compliance(verdict.passed, sorted(set(verdict.by_key) | named), keyed + unkeyed,
-                      [_brief(m) for m in verdict.warnings])
+    return Compliance(
+        verdict.passed, sorted(set(verdict.by_key) | named), keyed + unkeyed, [_brief(m) for m in verdict.warnings]
+    )
 
 
 def _keys_named(message: str) -> list[str]:
@@ -220,9 +222,12 @@ def mlperf_score(runs: list[Run]) -> Score:
     ok = sorted((r for r in runs if r.counts), key=lambda r: r.minutes)
     bad = [r.name for r in runs if not r.counts]
     if len(bad) > 1:
-        return Score(None, 0, f"no score: {len(bad)} runs did not converge or failed compliance "
-                              f"({', '.join(bad)}); at most one may")
-    kept = ok[1:len(ok) - 1 + len(bad)]
+        return Score(
+            None,
+            0,
+            f"no score: {len(bad)} runs did not converge or failed compliance ({', '.join(bad)}); at most one may",
+        )
+    kept = ok[1 : len(ok) - 1 + len(bad)]
     if kept:
         slowest = f"{bad[0]}, not converged or not compliant" if bad else ok[-1].name
         how = f"olympic mean of {len(kept)}: dropped the fastest ({ok[0].name}) and the slowest ({slowest})"
@@ -238,18 +243,29 @@ def mlperf_score(runs: list[Run]) -> Score:
 def samples_to_converge(runs: list[Run]) -> Samples:
     samples = sorted(r.samples_to_converge for r in runs if r.error is None)
     olympic = samples[1:-1]
-    return Samples(len(samples), statistics.fmean(samples) if samples else None,
-                   statistics.fmean(olympic) if olympic else None, sum(s == NOT_CONVERGED for s in samples))
+    return Samples(
+        len(samples),
+        statistics.fmean(samples) if samples else None,
+        statistics.fmean(olympic) if olympic else None,
+        sum(s == NOT_CONVERGED for s in samples),
+    )
 
 
 def check_rcp(runs: list[Run]) -> Rcp:
     """The official RCP checker, on the readable logs copied as result_<i>.txt into a scratch folder (its layout)."""
     logs = [r.log for r in runs if r.error is None]
     if len(logs) < 3:
-        return Rcp("not run", f"{len(logs)} readable run(s): its olympic mean needs at least 3 "
-                              f"(a submission has {RUNS_PER_SCORE})")
-    notes = [] if len(logs) == RUNS_PER_SCORE else [
-        f"{len(logs)} runs given: the checker's statistics assume {RUNS_PER_SCORE}, so this verdict is indicative only"]
+        return Rcp(
+            "not run",
+            f"{len(logs)} readable run(s): its olympic mean needs at least 3 (a submission has {RUNS_PER_SCORE})",
+        )
+    notes = (
+        []
+        if len(logs) == RUNS_PER_SCORE
+        else [
+            f"{len(logs)} runs given: the checker's statistics assume {RUNS_PER_SCORE}, so this verdict is indicative only"
+        ]
+    )
     with tempfile.TemporaryDirectory() as tmp, _captured_log() as captured:
         for i, log in enumerate(logs):
             shutil.copy(log, Path(tmp) / f"result_{i}.txt")
@@ -260,8 +276,10 @@ def check_rcp(runs: list[Run]) -> Rcp:
     notes += list(dict.fromkeys(captured.lines))  # its warnings, e.g. "Batch sizes in files do not match."
     if message.startswith("Missing RCP"):
         sizes = ", ".join(map(str, rcp_batch_sizes(USAGE, RULESET, BENCHMARK)))
-        notes.append(f"{BENCHMARK} {RULESET} has RCPs for GBS {sizes}: a smaller GBS is "
-                     f"judged against the smallest (debug runs cannot pass), a larger one needs new RCPs")
+        notes.append(
+            f"{BENCHMARK} {RULESET} has RCPs for GBS {sizes}: a smaller GBS is "
+            f"judged against the smallest (debug runs cannot pass), a larger one needs new RCPs"
+        )
     # the factor only applies to a passing set (a mean within the allowed speed-up of the RCP)
     return Rcp("passed" if passed else "failed", message, float(factor) if passed else None, notes)
 
@@ -291,8 +309,12 @@ def problems(runs: list[Run]) -> list[str]:
 
 def run_json(run: Run) -> dict:
     d = dataclasses.asdict(run)
-    d.update(log=str(run.log), n_evals=len(run.evals), last_val_loss=run.evals[-1][1] if run.evals else None,
-             converged=run.samples_to_converge != NOT_CONVERGED)
+    d.update(
+        log=str(run.log),
+        n_evals=len(run.evals),
+        last_val_loss=run.evals[-1][1] if run.evals else None,
+        converged=run.samples_to_converge != NOT_CONVERGED,
+    )
     return d
 
 
@@ -321,13 +343,19 @@ def print_summary(runs: list[Run], score: Score, samples: Samples, rcp: Rcp, plo
     print(f"score: {minutes}  [{score.note}]")
     if samples.mean is not None:
         olympic = f"; olympic mean {samples.olympic_mean:,.0f}" if samples.olympic_mean is not None else ""
-        unconverged = (f"; {samples.not_converged} not converged, counted as 1e9 as the RCP checker does"
-                       if samples.not_converged else "")
+        unconverged = (
+            f"; {samples.not_converged} not converged, counted as 1e9 as the RCP checker does"
+            if samples.not_converged
+            else ""
+        )
         print(f"samples to converge: mean {samples.mean:,.0f} over {samples.runs} runs{olympic}{unconverged}")
     compliant = sum(1 for r in runs if r.compliance and r.compliance.passed)
     print(f"compliance checker ({USAGE} {RULESET}): {compliant}/{len(runs)} logs pass")
-    factor = (f"; scaling factor {rcp.scaling_factor:.4f} (the score is multiplied by it)"
-              if rcp.scaling_factor not in (None, 1.0) else "")
+    factor = (
+        f"; scaling factor {rcp.scaling_factor:.4f} (the score is multiplied by it)"
+        if rcp.scaling_factor not in (None, 1.0)
+        else ""
+    )
     print(f"RCP checker ({USAGE} {RULESET}, pruned RCPs): {rcp.verdict.upper()}: {rcp.message}{factor}")
     for note in rcp.notes:
         print(f"  {note}")
@@ -336,8 +364,12 @@ def print_summary(runs: list[Run], score: Score, samples: Samples, rcp: Rcp, plo
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog="python -m flux_train.results", description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                   help=f"a run's out_dir (with {MLLOG_FILE}), a folder of result_*.txt, or a log file")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help=f"a run's out_dir (with {MLLOG_FILE}), a folder of result_*.txt, or a log file",
+    )
     p.add_argument("--out", type=Path, help=f"where {PLOT_FILE} goes (default: the one folder given, else .)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p.parse_args(argv)
@@ -357,9 +389,19 @@ def main(argv=None) -> int:
     plot_val_loss(runs, plot)
     failures = problems(runs)
     if args.json:
-        print(json.dumps({"runs": [run_json(r) for r in runs], "score": dataclasses.asdict(score),
-                          "samples_to_converge": dataclasses.asdict(samples), "rcp": dataclasses.asdict(rcp),
-                          "plot": str(plot), "problems": failures}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "runs": [run_json(r) for r in runs],
+                    "score": dataclasses.asdict(score),
+                    "samples_to_converge": dataclasses.asdict(samples),
+                    "rcp": dataclasses.asdict(rcp),
+                    "plot": str(plot),
+                    "problems": failures,
+                },
+                indent=2,
+            )
+        )
     else:
         print_summary(runs, score, samples, rcp, plot)
     for line in failures:

@@ -17,6 +17,7 @@ cluster has room, and each requeues on its own; a dependency chain would seriali
 Preemption and requeue follow flux_train.preemption: submitit's `--signal` from slurm.signal_delay_s,
 the requeue flag file exported by the script's setup, its teardown sourced from slurm/requeue.sh.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,16 +87,30 @@ def sbatch_parameters(cfg: Config, folder: str, srun_container_args: list[str]) 
         "job_name": s.job_name,
         "mem": f"{s.mem_gb}G" if s.mem_gb else "0",
         "signal_delay_s": s.signal_delay_s,
-        "setup": [f'FLUX_JOB_ID="{JOB_ID_SHELL}"', 'FLUX_JOB_ID="${FLUX_JOB_ID:-$SLURM_JOB_ID}"',
-                  f"export {preemption.REQUEUE_FLAG_ENV}={shell_job_path(folder, 'requeue.flag')}",
-                  *(["# every node checks its container engine, image and mounts; each names itself on failure",
-                     f"srun --ntasks-per-node=1 {shlex.join(check)} || exit 1"] if check else [])],
+        "setup": [
+            f'FLUX_JOB_ID="{JOB_ID_SHELL}"',
+            'FLUX_JOB_ID="${FLUX_JOB_ID:-$SLURM_JOB_ID}"',
+            f"export {preemption.REQUEUE_FLAG_ENV}={shell_job_path(folder, 'requeue.flag')}",
+            *(
+                [
+                    "# every node checks its container engine, image and mounts; each names itself on failure",
+                    f"srun --ntasks-per-node=1 {shlex.join(check)} || exit 1",
+                ]
+                if check
+                else []
+            ),
+        ],
         "teardown": preemption.teardown(),
         # one dead node agent ends the job; Slurm 22.05-23.02 srun does not inherit --cpus-per-task
-        "srun_args": ["--kill-on-bad-exit=1", *([f"--cpus-per-task={s.cpus_per_task}"] if s.cpus_per_task else []),
-                      *srun_container_args],
-        "additional_parameters": {"requeue": True,
-                                  **{k: True if v.lower() == "true" else v for k, v in s.additional.items()}},
+        "srun_args": [
+            "--kill-on-bad-exit=1",
+            *([f"--cpus-per-task={s.cpus_per_task}"] if s.cpus_per_task else []),
+            *srun_container_args,
+        ],
+        "additional_parameters": {
+            "requeue": True,
+            **{k: True if v.lower() == "true" else v for k, v in s.additional.items()},
+        },
     }
     for key in ("partition", "account", "qos", "exclude"):
         if getattr(s, key):
@@ -136,8 +151,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     systems = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "systems").glob("*.yaml")))
     p = Parser(prog="python -m flux_train.submit", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help=f"system config, e.g. configs/systems/<name>.yaml ({systems})")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value; repeatable")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value; repeatable",
+    )
     p.add_argument("--nodes", type=positive_int, help="slurm.nodes")
     p.add_argument("--gpus-per-node", type=positive_int, help="slurm.gpus_per_node (workers per node)")
     p.add_argument("--partition", help="slurm.partition")
@@ -145,26 +166,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qos", help="slurm.qos")
     p.add_argument("--time", type=time_minutes, help="slurm.time_min, as minutes or [D-]H:MM:SS")
     p.add_argument("--job-name", help="slurm.job_name")
-    p.add_argument("--exclude", metavar="HOSTS", help="slurm.exclude: nodes Slurm must not use, e.g. a node the "
-                   "pre-flight named (Slurm's hostlist syntax: n[3,7])")
-    p.add_argument("--runs", type=positive_int, default=1,
-                   help="a campaign of N runs (a job array): seeds train.seed+i, folders <logging.out_dir>/run_<i>")
-    p.add_argument("--skip-preflight", action="store_true",
-                   help="start training without the per-node checks and the bandwidth probe (preflight.enabled)")
+    p.add_argument(
+        "--exclude",
+        metavar="HOSTS",
+        help="slurm.exclude: nodes Slurm must not use, e.g. a node the "
+        "pre-flight named (Slurm's hostlist syntax: n[3,7])",
+    )
+    p.add_argument(
+        "--runs",
+        type=positive_int,
+        default=1,
+        help="a campaign of N runs (a job array): seeds train.seed+i, folders <logging.out_dir>/run_<i>",
+    )
+    p.add_argument(
+        "--skip-preflight",
+        action="store_true",
+        help="start training without the per-node checks and the bandwidth probe (preflight.enabled)",
+    )
     p.add_argument("--runtime", choices=RUNTIMES, help="container.runtime")
     p.add_argument("--container-image", help="container.image")
-    p.add_argument("--mounts", type=lambda text: [m for m in text.split(",") if m],
-                   help="container.mounts, comma-separated SRC[:DST[:ro]] (replaces the config's list)")
+    p.add_argument(
+        "--mounts",
+        type=lambda text: [m for m in text.split(",") if m],
+        help="container.mounts, comma-separated SRC[:DST[:ro]] (replaces the config's list)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print the sbatch script and per-node command only")
     mode.add_argument("--local", action="store_true", help="run the per-node agent on this machine, no Slurm")
     return p.parse_args(argv)
 
 
-FLAGS = {"nodes": "slurm.nodes", "gpus_per_node": "slurm.gpus_per_node", "partition": "slurm.partition",
-         "account": "slurm.account", "qos": "slurm.qos", "time": "slurm.time_min", "job_name": "slurm.job_name",
-         "exclude": "slurm.exclude",
-         "runtime": "container.runtime", "container_image": "container.image", "mounts": "container.mounts"}
+FLAGS = {
+    "nodes": "slurm.nodes",
+    "gpus_per_node": "slurm.gpus_per_node",
+    "partition": "slurm.partition",
+    "account": "slurm.account",
+    "qos": "slurm.qos",
+    "time": "slurm.time_min",
+    "job_name": "slurm.job_name",
+    "exclude": "slurm.exclude",
+    "runtime": "container.runtime",
+    "container_image": "container.image",
+    "mounts": "container.mounts",
+}
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
@@ -184,14 +228,19 @@ def resolve_config(args: argparse.Namespace) -> Config:
     mesh_shape(cfg.parallel, world, cfg.slurm.gpus_per_node)  # a mesh that does not fit stops here, not in the job
     s, c = cfg.slurm, cfg.container
     if not 0 < s.signal_delay_s < s.time_min * 60:
-        raise SubmitError(f"slurm.signal_delay_s={s.signal_delay_s} must be between 0 and the time limit "
-                          f"({s.time_min} min): it is how long before the limit the job starts its checkpoint")
+        raise SubmitError(
+            f"slurm.signal_delay_s={s.signal_delay_s} must be between 0 and the time limit "
+            f"({s.time_min} min): it is how long before the limit the job starts its checkpoint"
+        )
     if c.runtime != "none" and not c.image:
-        raise SubmitError(f"container runtime {c.runtime} needs an image: pass --container-image or set "
-                          f"container.image in {args.config}")
+        raise SubmitError(
+            f"container runtime {c.runtime} needs an image: pass --container-image or set "
+            f"container.image in {args.config}"
+        )
     if args.local and c.runtime == "pyxis":
-        raise SubmitError("--local cannot use pyxis (it is an srun plugin): add --runtime none, apptainer, "
-                          "docker or podman")
+        raise SubmitError(
+            "--local cannot use pyxis (it is an srun plugin): add --runtime none, apptainer, docker or podman"
+        )
     # a malformed mount, ulimit or container.python stops here, before anything runs
     container.mounts(cfg)
     container.ulimits(cfg)
@@ -221,8 +270,10 @@ def dry_run(cfg: Config, runs: int) -> None:
     print("# ---- then on each node, flux_train.launch: environment (a variable already set in the job wins) ----")
     for key, value in wanted_env(cfg, local_dir).items():
         print(f"  {key}={value}")
-    print(f"# ---- and {cfg.slurm.gpus_per_node} workers per node x {cfg.slurm.nodes} nodes, torch elastic "
-          f"launch with static rendezvous on the first host, each running ----")
+    print(
+        f"# ---- and {cfg.slurm.gpus_per_node} workers per node x {cfg.slurm.nodes} nodes, torch elastic "
+        f"launch with static rendezvous on the first host, each running ----"
+    )
     print("  " + shlex.join(["python", *worker_args(local_dir / "config.yaml")]))
     if runs > 1:
         print(f"# ---- a campaign of {runs} runs: one array task each ----")
@@ -259,18 +310,24 @@ def sbatch_refusal(stderr: str) -> str:
     """The line for sbatch's refusal: its own reason (its last line), and what to check."""
     reason = (stderr.strip().splitlines() or ["no message"])[-1].removeprefix("sbatch: error: ")
     if "slurm controller" in reason.lower():
-        return (f"sbatch cannot reach the Slurm controller ({reason}): check that slurmctld is up and reachable "
-                "from this host (scontrol ping), then submit again; nothing was queued")
-    return (f"sbatch refused the job ({reason}): check --partition, --account, --qos, --time and --gpus-per-node "
-            "against the cluster (sinfo, sacctmgr show assoc user=$USER)")
+        return (
+            f"sbatch cannot reach the Slurm controller ({reason}): check that slurmctld is up and reachable "
+            "from this host (scontrol ping), then submit again; nothing was queued"
+        )
+    return (
+        f"sbatch refused the job ({reason}): check --partition, --account, --qos, --time and --gpus-per-node "
+        "against the cluster (sinfo, sacctmgr show assoc user=$USER)"
+    )
 
 
 def submit(cfg: Config, runs: int) -> None:
     import submitit
 
     if shutil.which("sbatch") is None or shutil.which("srun") is None:
-        raise SubmitError("sbatch/srun not found on PATH: run this on a Slurm login node, or use --local to run "
-                          "on this machine, or --dry-run to see the job")
+        raise SubmitError(
+            "sbatch/srun not found on PATH: run this on a Slurm login node, or use --local to run "
+            "on this machine, or --dry-run to see the job"
+        )
     folder = os.path.abspath(cfg.slurm.folder)
     srun_args, python = container.command(cfg)
     # requeue counting is the agent's (slurm.max_requeue), not submitit's: its USR2 handler is replaced
@@ -289,8 +346,9 @@ def submit(cfg: Config, runs: int) -> None:
     job = jobs[0]
     whole = job.job_id.split("_")[0]
     what = f"job {job.job_id}" if runs == 1 else f"job array {whole} ({runs} runs, tasks {whole}_0..{whole}_{runs - 1})"
-    print(f"submitted {what}: {cfg.slurm.nodes} nodes x {cfg.slurm.gpus_per_node} GPUs, "
-          f"container {cfg.container.runtime}")
+    print(
+        f"submitted {what}: {cfg.slurm.nodes} nodes x {cfg.slurm.gpus_per_node} GPUs, container {cfg.container.runtime}"
+    )
     print(f"log folder: {job.paths.stdout.parent} (one <job>_<node>_log.out/.err per node)")
     print(f"follow:     tail -F {shlex.quote(str(job.paths.stdout))} {shlex.quote(str(job.paths.stderr))}")
     print(f"status:     squeue -j {whole}    cancel: scancel {whole}")

@@ -4,6 +4,7 @@ Order (MLPerf rules): run parameters + init_start -> build, shard, initialise, w
 run_start -> first touch of real data -> steps, an eval every ceil(262144/GBS) steps -> stop at the first
 eval <= target (success) or at train.max_steps (aborted) -> run_stop.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,9 @@ class LogWindow:
     def close(self, stop_requested: bool) -> tuple[float, bool, int | None]:
         """(mean loss over ranks and steps, whether any rank asked to stop, None if every step was finite, else the
         first non-finite step this rank saw, 0 if only other ranks saw one); resets the window."""
-        stats = torch.stack([self.loss_sum, torch.tensor(float(stop_requested), device=self.device),
-                             (self.first_bad > 0).float()])
+        stats = torch.stack(
+            [self.loss_sum, torch.tensor(float(stop_requested), device=self.device), (self.first_bad > 0).float()]
+        )
         loss_sum, stop_votes, bad_ranks = all_reduce_sum(stats).tolist()
         first_bad = int(self.first_bad.item()) if bad_ranks else None
         mean = loss_sum / max(self.steps * self.world, 1)
@@ -92,8 +94,9 @@ class Trainer:
         self.dist = init_distributed(cfg.parallel, cfg.train.device, str(self.out_dir / "flight_recorder"))
         validate(cfg, self.dist.world_size)
         if cfg.preflight.enabled:
-            preflight.run(cfg, self.dist.device, int(os.environ.get("LOCAL_RANK", 0)),
-                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            preflight.run(
+                cfg, self.dist.device, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            )
         self.resume_from = checkpoint.resolve_resume(cfg)
         self._check_before_init()
         # from here on every rank says where it is (a bad input above has ended the run without a thread)
@@ -101,11 +104,16 @@ class Trainer:
         if self.dist.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        self.checkpointer = checkpoint.Checkpointer(checkpoint.checkpoint_dir(cfg), cfg.checkpoint.keep,
-                                                    cfg.checkpoint.async_save, cfg.checkpoint.every_steps)
+        self.checkpointer = checkpoint.Checkpointer(
+            checkpoint.checkpoint_dir(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.checkpoint.every_steps
+        )
         # a resumed run continues the same MLLOG file and does not start a second run in it
-        self.mllog = MLLogger(self.out_dir / cfg.logging.mllog_file, enabled=self.dist.is_main,
-                              append=self.resume_from is not None, stdout=cfg.logging.mllog_stdout)
+        self.mllog = MLLogger(
+            self.out_dir / cfg.logging.mllog_file,
+            enabled=self.dist.is_main,
+            append=self.resume_from is not None,
+            stdout=cfg.logging.mllog_stdout,
+        )
         if self.resume_from is None:
             self.mllog.run_parameters(cfg, self.dist.world_size)
             self.mllog.start(C.INIT_START)
@@ -115,8 +123,10 @@ class Trainer:
         self.dtype = DTYPES[t.compute_dtype]
         self.accum = accumulation_steps(cfg, self.dist.world_size)
         if self.device.type == "cuda" and cfg.perf.attention == "flash" and self.dtype == torch.float32:
-            raise ConfigError("perf.attention=flash needs train.compute_dtype=bfloat16 (flash SDPA has no fp32 "
-                              "kernel); set perf.attention=auto for fp32 runs")
+            raise ConfigError(
+                "perf.attention=flash needs train.compute_dtype=bfloat16 (flash SDPA has no fp32 "
+                "kernel); set perf.attention=auto for fp32 runs"
+            )
         if cfg.perf.cuda_graphs and self.device.type != "cuda":
             raise ConfigError("perf.cuda_graphs needs a GPU; set perf.cuda_graphs=false on the CPU")
         select_attention_backend(cfg.perf.attention)
@@ -156,22 +166,33 @@ class Trainer:
         cfg = self.cfg
         log = self.out_dir / cfg.logging.mllog_file
         if self.resume_from is not None and log.is_file() and '"key": "run_stop"' in log.read_text():
-            raise ConfigError(f"{self.out_dir} holds a finished run (run_stop in {log.name}); choose a new "
-                              "logging.out_dir, or set checkpoint.resume=none to start over in this one")
+            raise ConfigError(
+                f"{self.out_dir} holds a finished run (run_stop in {log.name}); choose a new "
+                "logging.out_dir, or set checkpoint.resume=none to start over in this one"
+            )
         if cfg.data.source == "energon" and cfg.data.path and not Path(cfg.data.path).is_dir():
-            raise ConfigError(f"data.path {cfg.data.path} does not exist here; point it at the prepared dataset "
-                              "(python -m dataprep) or use data.source=synthetic")
+            raise ConfigError(
+                f"data.path {cfg.data.path} does not exist here; point it at the prepared dataset "
+                "(python -m dataprep) or use data.source=synthetic"
+            )
         if self.dist.device.type == "cpu":
             need = count_params(build_model(cfg.model)) * 16 * self.dist.world_size  # weights, grads, AdamW, fp32
             have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             if need > have:
-                raise ConfigError(f"model {cfg.model.flavor} needs ~{need / 2**30:.0f} GiB on the CPU, this host has "
-                                  f"{have / 2**30:.0f} GiB; use GPUs (train.device=cuda) or configs/debug.yaml")
+                raise ConfigError(
+                    f"model {cfg.model.flavor} needs ~{need / 2**30:.0f} GiB on the CPU, this host has "
+                    f"{have / 2**30:.0f} GiB; use GPUs (train.device=cuda) or configs/debug.yaml"
+                )
 
     def save_checkpoint(self) -> Path:
         self.heartbeat.beat(self.step, "checkpoint")
-        progress = {"step": self.step, "eval_count": self.eval_count, "world_size": self.dist.world_size,
-                    "samples": self.step * self.cfg.train.global_batch_size, "strategy": self.training.strategy}
+        progress = {
+            "step": self.step,
+            "eval_count": self.eval_count,
+            "world_size": self.dist.world_size,
+            "samples": self.step * self.cfg.train.global_batch_size,
+            "strategy": self.training.strategy,
+        }
         path = self.checkpointer.save(self.step, self.training, self.data.train.state_dict(), progress)
         if self.dist.is_main:
             print(f"flux-train: {'saving' if self.checkpointer.async_save else 'saved'} checkpoint {path}", flush=True)
@@ -198,8 +219,9 @@ class Trainer:
         global_micro = self.dist.rank * self.accum + micro_index
         gen = flow.seeded_generator(self.device, t.seed, self.step, global_micro, flow.STREAM_NOISE)
         drop_gen = flow.seeded_generator(self.device, t.seed, self.step, global_micro, flow.STREAM_DROPOUT)
-        batch["t5"], batch["clip"], _ = flow.caption_dropout(batch["t5"], batch["clip"], self.empty_t5,
-                                                             self.empty_clip, t.caption_dropout_prob, drop_gen)
+        batch["t5"], batch["clip"], _ = flow.caption_dropout(
+            batch["t5"], batch["clip"], self.empty_t5, self.empty_clip, t.caption_dropout_prob, drop_gen
+        )
         timesteps = torch.rand(batch["t5"].shape[0], device=self.device, generator=gen)
         inputs, target = flow.build_inputs(batch, timesteps, gen, t.latent_shift, t.latent_scale, self.dtype)
         if self.flops_per_sample is None:  # from the data's shapes, known at the first batch
@@ -223,22 +245,27 @@ class Trainer:
         static_inputs, static_target = self.static
         for k, v in inputs.items():
             if v.shape != static_inputs[k].shape:
-                raise DataError(f"perf.cuda_graphs: batch input '{k}' has shape {tuple(v.shape)}, the captured "
-                                f"graphs {tuple(static_inputs[k].shape)} (perf.warmup_latent_size and the empty "
-                                "encodings' text length must match the data)")
+                raise DataError(
+                    f"perf.cuda_graphs: batch input '{k}' has shape {tuple(v.shape)}, the captured "
+                    f"graphs {tuple(static_inputs[k].shape)} (perf.warmup_latent_size and the empty "
+                    "encodings' text length must match the data)"
+                )
             static_inputs[k].copy_(v)
         static_target.copy_(target)
         kind = (micro == 0, micro == self.accum - 1)
         if kind not in self.graphs:
             pool = next(iter(self.graphs.values())).pool() if self.graphs else None
-            self.graphs[kind] = CudaGraph(lambda: self._forward_backward(static_inputs, static_target, micro),
-                                          pool=pool)
+            self.graphs[kind] = CudaGraph(
+                lambda: self._forward_backward(static_inputs, static_target, micro), pool=pool
+            )
         return self.graphs[kind]().clone()
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
         self.heartbeat.beat(self.step + 1, "train")
-        return self._step(lambda: next(self.data.train), lr_at(self.step, self.cfg.train.lr, self.cfg.train.warmup_steps))
+        return self._step(
+            lambda: next(self.data.train), lr_at(self.step, self.cfg.train.lr, self.cfg.train.warmup_steps)
+        )
 
     def _step(self, next_batch, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
         loss_sum = torch.zeros((), device=self.device)
@@ -263,8 +290,15 @@ class Trainer:
         if iters <= 0:
             return
         m, side = self.cfg.model, self.cfg.perf.warmup_latent_size
-        batch = synthetic_samples(self.cfg.train.micro_batch_size, self.data.empty_t5.shape[1], side, side,
-                                  m.joint_attention_dim, m.pooled_projection_dim, seed=0)
+        batch = synthetic_samples(
+            self.cfg.train.micro_batch_size,
+            self.data.empty_t5.shape[1],
+            side,
+            side,
+            m.joint_attention_dim,
+            m.pooled_projection_dim,
+            seed=0,
+        )
         step = self.step
         for _ in range(iters):
             self._step(lambda: batch, lr=0.0)
@@ -280,9 +314,17 @@ class Trainer:
         samples = self.step * t.global_batch_size
         self.heartbeat.beat(self.step, "eval")
         self.mllog.eval_start(samples)
-        val_loss, count = evaluate(self.model, self.data.val(), device=self.device, dtype=self.dtype, seed=t.seed,
-                                   eval_index=self.eval_count, rank=self.dist.rank, shift=t.latent_shift,
-                                   scale=t.latent_scale)
+        val_loss, count = evaluate(
+            self.model,
+            self.data.val(),
+            device=self.device,
+            dtype=self.dtype,
+            seed=t.seed,
+            eval_index=self.eval_count,
+            rank=self.dist.rank,
+            shift=t.latent_shift,
+            scale=t.latent_scale,
+        )
         self.eval_count += 1
         if count != self.data.val_size:
             raise RuntimeError(f"eval counted {count} samples, the val set has {self.data.val_size}")
@@ -319,17 +361,27 @@ class Trainer:
         """Warm up, start the clock, train until an eval reaches the target, the step cap, Slurm's warning signal
         or a non-finite step; then stop the clock."""
         cfg, t = self.cfg, self.cfg.train
-        self._say(f"{cfg.model.flavor} {self.n_params / 1e9:.3f} B params, world {self.dist.world_size}, "
-                  f"GBS {t.global_batch_size} (micro {t.micro_batch_size} x accum {self.accum}), "
-                  f"eval every {eval_interval_steps(cfg)} steps, {cfg.parallel.strategy} on {self.device}")
+        self._say(
+            f"{cfg.model.flavor} {self.n_params / 1e9:.3f} B params, world {self.dist.world_size}, "
+            f"GBS {t.global_batch_size} (micro {t.micro_batch_size} x accum {self.accum}), "
+            f"eval every {eval_interval_steps(cfg)} steps, {cfg.parallel.strategy} on {self.device}"
+        )
         self._install_stop_signal()
         self.warm_up(cfg.perf.warmup_iters)
         if self.resume_from is None:
             self.mllog.end(C.INIT_STOP)
             self.mllog.start(C.RUN_START)
-        metrics = Metrics(self.out_dir, self.device, self.dist.world_size, t.max_steps, self.dist.is_main,
-                          cfg.logging.progress_bar, cfg.logging.tensorboard, append=self.resume_from is not None,
-                          start_step=self.step)
+        metrics = Metrics(
+            self.out_dir,
+            self.device,
+            self.dist.world_size,
+            t.max_steps,
+            self.dist.is_main,
+            cfg.logging.progress_bar,
+            cfg.logging.tensorboard,
+            append=self.resume_from is not None,
+            start_step=self.step,
+        )
         status = self._train(metrics)
         self.training.wait_params()  # no collective may be in flight when the process group goes down
         self.checkpointer.wait()
@@ -366,8 +418,13 @@ class Trainer:
             if first_bad is not None:
                 self.mllog.block_stop(samples)
                 return self._diverged(first_bad)
-            metrics.log(self.step, self.flops_per_sample, loss=mean_loss, lr=lr_at(self.step - 1, t.lr, t.warmup_steps),
-                        grad_norm=float(grad_norm))
+            metrics.log(
+                self.step,
+                self.flops_per_sample,
+                loss=mean_loss,
+                lr=lr_at(self.step - 1, t.lr, t.warmup_steps),
+                grad_norm=float(grad_norm),
+            )
             if stop:
                 self.mllog.block_stop(samples)
                 self.save_checkpoint()
@@ -390,10 +447,15 @@ class Trainer:
         at = f"at step {first_bad}" if first_bad > 0 else f"in the steps up to {self.step}"
         self.checkpointer.wait()
         last = checkpoint.list_checkpoints(self.checkpointer.root)
-        where = (f"the last good checkpoint is {last[-1]} (checkpoint.resume=auto picks it up)" if last
-                 else "no checkpoint was written before it")
-        self._say(f"stopped: the loss or gradient norm was not finite {at}; {where}. Lower train.lr, lengthen "
-                  "train.warmup_steps or look at the data of that step before resuming")
+        where = (
+            f"the last good checkpoint is {last[-1]} (checkpoint.resume=auto picks it up)"
+            if last
+            else "no checkpoint was written before it"
+        )
+        self._say(
+            f"stopped: the loss or gradient norm was not finite {at}; {where}. Lower train.lr, lengthen "
+            "train.warmup_steps or look at the data of that step before resuming"
+        )
         return Status.DIVERGED
 
 
@@ -409,10 +471,19 @@ def build_data(cfg: Config, rank: int, world: int) -> DataSource:
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog="python -m flux_train.train", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/debug.yaml", help="YAML config (default: configs/debug.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value; repeatable")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config (defaults: merged, --set applied) as YAML and exit")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value; repeatable",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (defaults: merged, --set applied) as YAML and exit",
+    )
     return p.parse_args(argv)
 
 
@@ -432,8 +503,12 @@ def main(argv=None) -> int:
             raise
         world = dist.get_world_size() if dist.is_initialized() else 0
         who = stragglers(Path(cfg.logging.out_dir) / "heartbeats", world) if cfg and world else "unknown"
-        print(f"collective failed on rank {dist.get_rank() if world else '?'} ({type(exc).__name__}: "
-              f"{str(exc).splitlines()[0][:200]}); {who}", file=sys.stderr, flush=True)
+        print(
+            f"collective failed on rank {dist.get_rank() if world else '?'} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200]}); {who}",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_COLLECTIVE
     finally:
         if trainer is not None:

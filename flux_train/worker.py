@@ -9,6 +9,7 @@ exception", SIGABRT), which the agent would report as a failed worker and Slurm 
 main has returned, the logs are flushed and the process leaves with main's exit code. An exception still
 ends it the usual way: a traceback and exit code 1.
 """
+
 from __future__ import annotations
 
 import logging

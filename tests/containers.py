@@ -4,6 +4,7 @@ the Debian sid one through bin/apptainer) with the same rootfs as a sandbox imag
 with python3: this machine's interpreter and virtualenv are mounted read-only at the same paths, and the project
 is the submit directory, which the launcher mounts itself. Without an engine or its image the tests skip, except
 in CI, where they fail; apptainer skips with the reason .ci/containers gave when it could not set it up."""
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,14 @@ class Engine:
     def overrides(self, tmp_path: Path) -> list[str]:
         """Config overrides for a run in this engine's container, with tmp_path (outputs, node-local dirs) mounted."""
         mounts = [str(tmp_path)] + [f"{p}:{p}:ro" for p in interpreter_dirs()]
-        return [f"container.runtime={self.runtime}", f"container.image={self.image}",
-                f"container.mounts={json.dumps(mounts)}", f"container.python={sys.executable}",
-                f"env.local_dir={tmp_path}/local", *self.sets]
+        return [
+            f"container.runtime={self.runtime}",
+            f"container.image={self.image}",
+            f"container.mounts={json.dumps(mounts)}",
+            f"container.python={sys.executable}",
+            f"env.local_dir={tmp_path}/local",
+            *self.sets,
+        ]
 
     def args(self, tmp_path: Path) -> list[str]:
         """The same as flags of `python -m flux_train.submit`."""
@@ -61,6 +67,7 @@ def podman_ulimits(image: str) -> list[str]:
     """container.ulimits this machine's podman can set. Without CAP_SYS_RESOURCE it cannot raise a limit above
     its own (podman's own nproc can be lower than the shell's): then the hard limits, nproc halved until a
     container starts. Where the defaults (memlock unlimited) start one, nothing."""
+
     def starts(*ulimits: str) -> bool:
         argv = ["podman", "run", "--rm", *[f"--ulimit={u}" for u in ulimits], image, "true"]
         return subprocess.run(argv, capture_output=True).returncode == 0
@@ -91,5 +98,4 @@ def engine(request) -> Engine:
         unavailable(f"apptainer or its sandbox image {CACHE / 'bookworm'} is missing")
     # apptainer binds /tmp, $HOME and the working directory by default: without them a bind the launcher
     # forgot shows
-    return Engine("apptainer", str(CACHE / "bookworm"), path,
-                  ["container.extra_args=['--no-mount=tmp,home,cwd']"])
+    return Engine("apptainer", str(CACHE / "bookworm"), path, ["container.extra_args=['--no-mount=tmp,home,cwd']"])

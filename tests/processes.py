@@ -1,4 +1,5 @@
 """Finding a test's processes by their environment (Linux /proc)."""
+
 from __future__ import annotations
 
 import os

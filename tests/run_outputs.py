@@ -1,4 +1,5 @@
 """What a training run wrote, read one way for every test: metrics.jsonl rows and MLLOG events of an out_dir."""
+
 from __future__ import annotations
 
 import json

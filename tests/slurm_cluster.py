@@ -9,6 +9,7 @@ n1 and n2 resolve through a bind mount in their own mount namespace (the machine
 they die with the test process (PR_SET_PDEATHSIG), and SIGTERM, like Ctrl-C, ends the session through the
 fixture's teardown, which cancels the jobs, waits for their processes, and stops the daemons and anything of the
 jobs that outlived them by pid."""
+
 from __future__ import annotations
 
 import ctypes
@@ -27,8 +28,17 @@ from processes import parent, pids_with_env
 
 NODES = ("n1", "n2")
 HOSTS = Path("/etc/hosts")
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-            "DEADLINE", "PREEMPTED"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 def free_port() -> int:
@@ -52,8 +62,10 @@ class SlurmCluster:
         self.root = root
         self.conf = root / "slurm.conf"
         # not what this test process's torch wrote into its own environment (see test_slurm_submit.job_env)
-        self.env = {**{k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")},
-                    "SLURM_CONF": str(self.conf)}
+        self.env = {
+            **{k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")},
+            "SLURM_CONF": str(self.conf),
+        }
         self.procs: list[subprocess.Popen] = []
         self.not_on_n2 = root / "not-on-n2"
 
@@ -65,21 +77,41 @@ class SlurmCluster:
             (r / f"fakegpu{g}").touch()  # without device files slurmd reports 0 GPUs and the node is invalid
         (r / "gres.conf").write_text(f"Name=gpu File={r}/fakegpu[0-3]\n")
         lines = [
-            "ClusterName=fluxtest", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={free_port()}",
-            "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/none", "CredType=cred/none",
+            "ClusterName=fluxtest",
+            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldPort={free_port()}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/none",
+            "CredType=cred/none",
             # cred_expire and the 1 s scheduler intervals make a requeued job start again in ~15 s, not ~136 s
-            "AuthInfo=cred_expire=10", "SchedulerType=sched/backfill",
+            "AuthInfo=cred_expire=10",
+            "SchedulerType=sched/backfill",
             "SchedulerParameters=bf_interval=1,sched_interval=1",
-            "MpiDefault=none", "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "ReturnToService=2",
-            f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd-%n.pid",
-            f"SlurmdSpoolDir={r}/spool/slurmd-%n", f"StateSaveLocation={r}/state",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "JobCompType=jobcomp/none",
-            "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-            f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd-%n.log",
-            "KillWait=5", "SlurmdParameters=config_overrides", "GresTypes=gpu",
+            "MpiDefault=none",
+            "ProctrackType=proctrack/pgid",
+            "TaskPlugin=task/none",
+            "ReturnToService=2",
+            f"SlurmctldPidFile={r}/slurmctld.pid",
+            f"SlurmdPidFile={r}/slurmd-%n.pid",
+            f"SlurmdSpoolDir={r}/spool/slurmd-%n",
+            f"StateSaveLocation={r}/state",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "JobCompType=jobcomp/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            f"SlurmctldLogFile={r}/log/slurmctld.log",
+            f"SlurmdLogFile={r}/log/slurmd-%n.log",
+            "KillWait=5",
+            "SlurmdParameters=config_overrides",
+            "GresTypes=gpu",
         ]
-        lines += [f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=16 "
-                  f"RealMemory=64000 Gres=gpu:4 State=UNKNOWN" for n in NODES]
+        lines += [
+            f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=16 "
+            f"RealMemory=64000 Gres=gpu:4 State=UNKNOWN"
+            for n in NODES
+        ]
         lines.append(f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
 
@@ -88,12 +120,24 @@ class SlurmCluster:
         # killed when the test process dies
         hosts = self.root / "hosts"
         hosts.write_text(HOSTS.read_text().rstrip("\n") + f"\n127.0.0.1 {' '.join(NODES)}\n")
-        hiding = f'mount -t tmpfs none {shlex.quote(str(hide))} && ' if hide else ""
-        wrapped = ["unshare", "--mount", "--propagation", "private", "bash", "-c",
-                   f'mount --bind "$0" /etc/hosts && {hiding}exec "$@"', str(hosts), *argv]
+        hiding = f"mount -t tmpfs none {shlex.quote(str(hide))} && " if hide else ""
+        wrapped = [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "bash",
+            "-c",
+            f'mount --bind "$0" /etc/hosts && {hiding}exec "$@"',
+            str(hosts),
+            *argv,
+        ]
         with open(self.root / "log" / log, "w") as out:
-            self.procs.append(subprocess.Popen(wrapped, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                               preexec_fn=_die_with_parent))
+            self.procs.append(
+                subprocess.Popen(
+                    wrapped, stdout=out, stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent
+                )
+            )
 
     def start(self) -> None:
         self._write_config()
@@ -101,25 +145,42 @@ class SlurmCluster:
         wait_for(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 20, "slurmctld ping")
         self.not_on_n2.mkdir()
         for n in NODES:
-            self._daemon("slurmd", "-D", "-N", n, "-f", str(self.conf), log=f"slurmd-{n}.out",
-                         hide=self.not_on_n2 if n == "n2" else None)
-        wait_for(lambda: self.run("sinfo", "-h", "-o", "%D", "-t", "idle").stdout.strip() == str(len(NODES)),
-                 30, "both nodes idle")
+            self._daemon(
+                "slurmd",
+                "-D",
+                "-N",
+                n,
+                "-f",
+                str(self.conf),
+                log=f"slurmd-{n}.out",
+                hide=self.not_on_n2 if n == "n2" else None,
+            )
+        wait_for(
+            lambda: self.run("sinfo", "-h", "-o", "%D", "-t", "idle").stdout.strip() == str(len(NODES)),
+            30,
+            "both nodes idle",
+        )
 
     def job_processes(self) -> list[int]:
         """What runs for this cluster's jobs (slurmstepd, the job's own processes): all have our SLURM_CONF, and
         neither are the daemons nor their own helpers (slurmctld's slurmscriptd)."""
         daemons = {os.getpid(), *(proc.pid for proc in self.procs)}
-        return [pid for pid in pids_with_env(SLURM_CONF=str(self.conf))
-                if pid not in daemons and parent(pid) not in daemons]
+        return [
+            pid for pid in pids_with_env(SLURM_CONF=str(self.conf)) if pid not in daemons and parent(pid) not in daemons
+        ]
 
     def stop(self) -> None:
         jobs = self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
         if jobs:
             self.run("scancel", *jobs, check=False)
         try:  # a slurmstepd reports to the daemons before it exits: stopping them first would strand it
-            wait_for(lambda: not self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
-                     and not self.job_processes(), 60, "the jobs' processes to end")
+            wait_for(
+                lambda: (
+                    not self.run("squeue", "-h", "-o", "%i", check=False).stdout.split() and not self.job_processes()
+                ),
+                60,
+                "the jobs' processes to end",
+            )
         except TimeoutError:
             pass
         for proc in reversed(self.procs):  # the slurmd daemons, then slurmctld, by pid
@@ -136,8 +197,9 @@ class SlurmCluster:
                 pass
 
     def run(self, *argv: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, env={**self.env, **(env or {})}, capture_output=True, text=True, check=check,
-                              timeout=30)
+        return subprocess.run(
+            argv, env={**self.env, **(env or {})}, capture_output=True, text=True, check=check, timeout=30
+        )
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (finished jobs stay visible for MinJobAge, 300 s)."""
@@ -146,6 +208,7 @@ class SlurmCluster:
 
     def wait_job(self, job_id: str, timeout: float, restarts: int = 0) -> dict[str, str]:
         """Until the job ends (after at least `restarts` requeues); returns its last `scontrol` record."""
+
         def ended():
             info = self.job(job_id)
             done = info.get("JobState") in TERMINAL and int(info.get("Restarts", 0)) >= restarts

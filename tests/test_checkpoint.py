@@ -1,4 +1,5 @@
 """Resume is exact, saves are atomic, export loads in diffusers."""
+
 import signal
 import subprocess
 import sys
@@ -15,8 +16,18 @@ from run_outputs import column, losses
 
 pytestmark = pytest.mark.slow  # every test trains
 
-COMMON = ["--set", "data.source=synthetic", "--set", "eval.enabled=false", "--set", "logging.log_every=1", "--set", "train.warmup_steps=3",
-          "--set", "train.caption_dropout_prob=0.1"]
+COMMON = [
+    "--set",
+    "data.source=synthetic",
+    "--set",
+    "eval.enabled=false",
+    "--set",
+    "logging.log_every=1",
+    "--set",
+    "train.warmup_steps=3",
+    "--set",
+    "train.caption_dropout_prob=0.1",
+]
 
 
 def crashed_after_step_4(out):
@@ -28,8 +39,9 @@ def crashed_after_step_4(out):
 
 def run(out, *extra):
     args = ["--config", "configs/debug.yaml", "--set", f"logging.out_dir={out}", *COMMON, *extra]
-    proc = subprocess.run([sys.executable, "-m", "flux_train.train", *args], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flux_train.train", *args], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -37,10 +49,18 @@ def run(out, *extra):
 def test_preempted_run_checkpoints_and_resumes_with_the_same_losses(tmp_path):
     """SIGUSR2 (Slurm's warning signal) -> checkpoint + exit 75; the resumed run matches an uninterrupted one."""
     split = tmp_path / "split"
-    args = ["--config", "configs/debug.yaml", "--set", f"logging.out_dir={split}", *COMMON,
-            "--set", "train.max_steps=100000"]
-    proc = subprocess.Popen([sys.executable, "-m", "flux_train.train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    args = [
+        "--config",
+        "configs/debug.yaml",
+        "--set",
+        f"logging.out_dir={split}",
+        *COMMON,
+        "--set",
+        "train.max_steps=100000",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flux_train.train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.time() + 300
     while time.time() < deadline and len(losses(split)) < 3:
         time.sleep(0.2)
@@ -81,8 +101,9 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = build_model(cfg.model)
-        training = build_training(model, build_mesh(cfg.parallel, 1, 1, "cpu"), cfg.parallel, cfg.train,
-                                  torch.float32, torch.device("cpu"))
+        training = build_training(
+            model, build_mesh(cfg.parallel, 1, 1, "cpu"), cfg.parallel, cfg.train, torch.float32, torch.device("cpu")
+        )
         training.assign_weights(reference_init(model, 0, "cpu"))
         monkeypatch.setattr(checkpoint.dcp, "save", dying_save)
         with pytest.raises(KeyboardInterrupt):
@@ -103,13 +124,28 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
 def test_a_finished_run_is_not_started_again(tmp_path):
     out = tmp_path / "run"
     run(out, "--set", "train.max_steps=2", "--set", "checkpoint.every_steps=2")
-    proc = subprocess.run([sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml",
-                           "--set", f"logging.out_dir={out}", *COMMON, "--set", "train.max_steps=4"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flux_train.train",
+            "--config",
+            "configs/debug.yaml",
+            "--set",
+            f"logging.out_dir={out}",
+            *COMMON,
+            "--set",
+            "train.max_steps=4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"config error: {out} holds a finished run (run_stop in mllog.log); choose a new logging.out_dir, or set "
-        "checkpoint.resume=none to start over in this one"]
+        "checkpoint.resume=none to start over in this one"
+    ]
     keys = [e["key"] for e in read_events(out / "mllog.log")]
     assert keys.count("run_stop") == 1 and keys.count("init_start") == 1
 
@@ -127,10 +163,16 @@ def test_export_loads_with_diffusers_from_pretrained_and_reproduces_our_output(t
     from flux_train.model import build_model
 
     out = tmp_path / "run"
-    run(out, "--set", "train.max_steps=3", "--set", "checkpoint.every_steps=3", "--set", f"parallel.strategy={strategy}")
+    run(
+        out, "--set", "train.max_steps=3", "--set", "checkpoint.every_steps=3", "--set", f"parallel.strategy={strategy}"
+    )
     export = tmp_path / "export"
-    assert checkpoint.main(["export", "--config", "configs/debug.yaml", "--checkpoint", str(out / "checkpoints"),
-                            "--out", str(export)]) == 0
+    assert (
+        checkpoint.main(
+            ["export", "--config", "configs/debug.yaml", "--checkpoint", str(out / "checkpoints"), "--out", str(export)]
+        )
+        == 0
+    )
     loaded = FluxTransformer2DModel.from_pretrained(str(export)).double()
     assert loaded.config.num_layers == 2 and loaded.config.joint_attention_dim == 4096
     # our model with the checkpoint's weights (a DCP load of the same step) and the exported diffusers model
@@ -148,8 +190,15 @@ def test_export_loads_with_diffusers_from_pretrained_and_reproduces_our_output(t
     ids = torch.stack([torch.zeros(16), torch.arange(16) // 4, torch.arange(16) % 4], 1)
     with torch.no_grad():
         want = ours(img=img, img_ids=ids, txt=txt, txt_ids=torch.zeros(8, 3), timesteps=t, y=y)
-        got = loaded(hidden_states=img, encoder_hidden_states=txt, pooled_projections=y, timestep=t, img_ids=ids,
-                     txt_ids=torch.zeros(8, 3), return_dict=False)[0]
+        got = loaded(
+            hidden_states=img,
+            encoder_hidden_states=txt,
+            pooled_projections=y,
+            timestep=t,
+            img_ids=ids,
+            txt_ids=torch.zeros(8, 3),
+            return_dict=False,
+        )[0]
     assert want.abs().max() > 0
     assert ((got - want).norm() / want.norm()).item() <= 1e-10
     assert (export / "diffusion_pytorch_model.safetensors").stat().st_mode & 0o044 == 0o044  # others can read it
@@ -158,15 +207,44 @@ def test_export_loads_with_diffusers_from_pretrained_and_reproduces_our_output(t
 def test_init_from_an_exported_model_starts_where_it_ended(tmp_path):
     """model.init_from round trip: a run started from an export evaluates to the exported model's val loss."""
     out = tmp_path / "run"
-    run(out, "--set", "train.max_steps=4", "--set", "checkpoint.every_steps=4", "--set", "eval.enabled=true",
-        "--set", "eval.every_steps=4", "--set", "eval.target=0")
+    run(
+        out,
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "checkpoint.every_steps=4",
+        "--set",
+        "eval.enabled=true",
+        "--set",
+        "eval.every_steps=4",
+        "--set",
+        "eval.target=0",
+    )
     export = tmp_path / "export"
-    assert checkpoint.main(["export", "--config", "configs/debug.yaml", "--checkpoint", str(out / "checkpoints"),
-                            "--out", str(export)]) == 0
+    assert (
+        checkpoint.main(
+            ["export", "--config", "configs/debug.yaml", "--checkpoint", str(out / "checkpoints"), "--out", str(export)]
+        )
+        == 0
+    )
     again = tmp_path / "again"
-    run(again, "--set", "train.max_steps=1", "--set", "train.lr=1e-30", "--set", "train.warmup_steps=0",
-        "--set", f"model.init_from={export}", "--set", "eval.enabled=true", "--set", "eval.every_steps=1",
-        "--set", "eval.target=0")
+    run(
+        again,
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "train.lr=1e-30",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        f"model.init_from={export}",
+        "--set",
+        "eval.enabled=true",
+        "--set",
+        "eval.every_steps=1",
+        "--set",
+        "eval.target=0",
+    )
 
     # eval draws its noise from (seed, eval index): the first eval of each run sees the same noise
     assert column(again, "val_loss")[0] == pytest.approx(column(out, "val_loss")[0], rel=1e-4)
@@ -185,8 +263,17 @@ def test_async_checkpoints_complete_and_resume_exactly(tmp_path):
     """checkpoint.async_save: every save is completed (renamed) by the next save or the end of the run, and a
     resume from one continues with the losses of an uninterrupted run."""
     out = tmp_path / "async"
-    run(out, "--set", "train.max_steps=4", "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep=5",
-        "--set", "checkpoint.async_save=true")
+    run(
+        out,
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "checkpoint.every_steps=2",
+        "--set",
+        "checkpoint.keep=5",
+        "--set",
+        "checkpoint.async_save=true",
+    )
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000002", "step_00000004"]
     assert not list((out / "checkpoints").glob("*.tmp"))
     run(tmp_path / "full", "--set", "train.max_steps=6")

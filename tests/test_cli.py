@@ -1,5 +1,6 @@
 """The command lines explain themselves: `--help` of every command and subcommand gives every flag a line of help;
 `python -m flux_train.train --print-config` prints the resolved config."""
+
 import argparse
 import functools
 import os
@@ -17,10 +18,15 @@ from flux_train import bench, checkpoint, results, sample, submit, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
-COMMANDS = {"python -m dataprep": dataprep, "python -m flux_train.train": train.main,
-            "python -m flux_train.submit": submit.main, "python -m flux_train.bench": bench.main,
-            "python -m flux_train.results": results.main, "python -m flux_train.checkpoint": checkpoint.main,
-            "python -m flux_train.sample": sample.main}
+COMMANDS = {
+    "python -m dataprep": dataprep,
+    "python -m flux_train.train": train.main,
+    "python -m flux_train.submit": submit.main,
+    "python -m flux_train.bench": bench.main,
+    "python -m flux_train.results": results.main,
+    "python -m flux_train.checkpoint": checkpoint.main,
+    "python -m flux_train.sample": sample.main,
+}
 
 
 def printed_help(main, argv, monkeypatch, capsys) -> argparse.ArgumentParser:
@@ -75,8 +81,12 @@ def test_the_help_walk_finds_a_flag_without_help(monkeypatch, capsys):
 
 
 def test_print_config_shows_defaults_and_overrides_resolved(capsys):
-    assert train.main(["--config", "configs/debug.yaml", "--set", "train.lr=0.5", "--set", "eval.batch_size=4",
-                       "--print-config"]) == 0
+    assert (
+        train.main(
+            ["--config", "configs/debug.yaml", "--set", "train.lr=0.5", "--set", "eval.batch_size=4", "--print-config"]
+        )
+        == 0
+    )
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["train"]["lr"] == 0.5 and printed["eval"]["batch_size"] == 4  # --set
     assert printed["train"]["global_batch_size"] == 8  # the file itself
@@ -107,13 +117,25 @@ BAD_INPUTS = [
     ("train-not-a-number", TRAIN, [*DEBUG, "--set", "train.lr=abc"], "train.lr: expected a number"),
     ("train-not-a-choice", TRAIN, [*DEBUG, "--set", "perf.compile=stack"], "perf.compile: 'stack' is not accepted"),
     ("train-zero-batch", TRAIN, [*DEBUG, "--set", "train.global_batch_size=0"], "train.global_batch_size: must be > 0"),
-    ("train-val-larger-than-train", TRAIN, [*DEBUG, "--set", "data.source=synthetic", "--set",
-                                            "data.synthetic_val_samples=100"], "data.synthetic_val_samples 100 >"),
+    (
+        "train-val-larger-than-train",
+        TRAIN,
+        [*DEBUG, "--set", "data.source=synthetic", "--set", "data.synthetic_val_samples=100"],
+        "data.synthetic_val_samples 100 >",
+    ),
     ("train-mesh-does-not-fit", TRAIN, [*DEBUG, "--set", "parallel.dp_shard=3"], "parallel.dp_shard=3 does not divide"),
-    ("train-resume-from-nothing", TRAIN, [*DEBUG, "--set", "checkpoint.resume={tmp}/empty"],
-     "checkpoint.resume={tmp}/empty: not a complete checkpoint"),
-    ("train-no-dataset", TRAIN, [*DEBUG, "--set", "data.source=energon", "--set", "data.path={tmp}/nowhere"],
-     "data.path {tmp}/nowhere does not exist"),
+    (
+        "train-resume-from-nothing",
+        TRAIN,
+        [*DEBUG, "--set", "checkpoint.resume={tmp}/empty"],
+        "checkpoint.resume={tmp}/empty: not a complete checkpoint",
+    ),
+    (
+        "train-no-dataset",
+        TRAIN,
+        [*DEBUG, "--set", "data.source=energon", "--set", "data.path={tmp}/nowhere"],
+        "data.path {tmp}/nowhere does not exist",
+    ),
     ("submit-no-config", SUBMIT, ["--nodes", "2"], "the following arguments are required: --config"),
     ("submit-unknown-flag", SUBMIT, [*SYSTEM, "--bogus"], "unrecognized arguments: --bogus"),
     ("submit-time-under-a-minute", SUBMIT, [*SYSTEM, "--time", "0:30"], "argument --time: must be at least 1 minute"),
@@ -122,34 +144,72 @@ BAD_INPUTS = [
     ("submit-runtime-without-image", SUBMIT, [*SYSTEM, "--runtime", "podman"], "podman needs an image"),
     ("submit-mount-without-source", SUBMIT, [*SYSTEM, "--mounts", ":/data"], "container mount ':/data'"),
     ("submit-mesh-does-not-fit", SUBMIT, [*SYSTEM, "--set", "parallel.dp_shard=3"], "parallel.dp_shard=3 does not"),
-    ("submit-no-slurm-controller", SUBMIT, SYSTEM,
-     "sbatch cannot reach the Slurm controller (Batch job submission failed: Unable to contact slurm controller"),
+    (
+        "submit-no-slurm-controller",
+        SUBMIT,
+        SYSTEM,
+        "sbatch cannot reach the Slurm controller (Batch job submission failed: Unable to contact slurm controller",
+    ),
     ("bench-no-such-config", BENCH, ["--config", "{tmp}/missing.yaml"], "{tmp}/missing.yaml"),
     ("bench-no-such-table", BENCH, ["--table", "{tmp}/missing.jsonl"], "--table {tmp}/missing.jsonl: No such file"),
     ("bench-table-not-rows", BENCH, ["--table", "{tmp}/notes.txt"], "--table {tmp}/notes.txt: line 1 is not a bench"),
-    ("bench-unknown-row", BENCH, ["--config", "{root}/configs/bench.yaml", "--rows", "fastest"],
-     "--rows: unknown row 'fastest'"),
+    (
+        "bench-unknown-row",
+        BENCH,
+        ["--config", "{root}/configs/bench.yaml", "--rows", "fastest"],
+        "--rows: unknown row 'fastest'",
+    ),
     ("bench-zero-steps", BENCH, ["--steps", "0"], "argument --steps: must be >= 1"),
     ("results-no-such-run", RESULTS, ["{tmp}/nowhere"], "{tmp}/nowhere does not exist"),
     ("results-no-log", RESULTS, ["{tmp}/empty"], "no readable MLLOG in {tmp}/empty"),
     ("results-out-is-a-file", RESULTS, ["{tmp}/empty", "--out", "{tmp}/notes.txt"], "--out {tmp}/notes.txt is a file"),
     ("results-no-run-given", RESULTS, [], "the following arguments are required: RUN_DIR"),
-    ("checkpoint-not-a-checkpoint", CHECKPOINT, [*EXPORT, "--checkpoint", "{tmp}/empty"],
-     "--checkpoint {tmp}/empty: no complete checkpoint there"),
-    ("checkpoint-no-such-config", CHECKPOINT, [*EXPORT, "--checkpoint", "{tmp}/empty", "--config",
-                                               "{tmp}/missing.yaml"], "{tmp}/missing.yaml"),
+    (
+        "checkpoint-not-a-checkpoint",
+        CHECKPOINT,
+        [*EXPORT, "--checkpoint", "{tmp}/empty"],
+        "--checkpoint {tmp}/empty: no complete checkpoint there",
+    ),
+    (
+        "checkpoint-no-such-config",
+        CHECKPOINT,
+        [*EXPORT, "--checkpoint", "{tmp}/empty", "--config", "{tmp}/missing.yaml"],
+        "{tmp}/missing.yaml",
+    ),
     ("checkpoint-no-checkpoint-given", CHECKPOINT, EXPORT, "the following arguments are required: --checkpoint"),
     ("checkpoint-unknown-command", CHECKPOINT, ["import"], "argument command: invalid choice: 'import'"),
     ("dataprep-verify-no-such-root", DATAPREP, ["verify", "{tmp}/nowhere"], "{tmp}/nowhere: no such folder"),
-    ("dataprep-convert-no-such-input", DATAPREP, ["convert", "--train", "{tmp}/nowhere", "--out", "{tmp}/ds"],
-     "--train {tmp}/nowhere: not a Hugging Face save_to_disk dataset"),
+    (
+        "dataprep-convert-no-such-input",
+        DATAPREP,
+        ["convert", "--train", "{tmp}/nowhere", "--out", "{tmp}/ds"],
+        "--train {tmp}/nowhere: not a Hugging Face save_to_disk dataset",
+    ),
     ("dataprep-convert-nothing", DATAPREP, ["convert", "--out", "{tmp}/ds"], "nothing to convert: give --train"),
-    ("dataprep-bad-shape", DATAPREP, ["convert", "--train", "{tmp}/nowhere", "--out", "{tmp}/ds", "--shape", "4,2"],
-     "argument --shape: shape '4,2': expected three positive integers"),
-    ("dataprep-every-sample-skipped", DATAPREP, ["convert", "--train", "{tmp}/arrow/train", "--out", "{tmp}/ds",
-                                                 "--shape", "8,2,2", "--skip-bad", "--workers", "1"],
-     "{tmp}/ds/train: nothing converted: all 3 input samples were skipped as bad (the first: row 0 'train-0': t5: "
-     "shape [4, 4096], expected [8, 4096]; all listed in {tmp}/ds/.dataprep/train/skipped.tsv)"),
+    (
+        "dataprep-bad-shape",
+        DATAPREP,
+        ["convert", "--train", "{tmp}/nowhere", "--out", "{tmp}/ds", "--shape", "4,2"],
+        "argument --shape: shape '4,2': expected three positive integers",
+    ),
+    (
+        "dataprep-every-sample-skipped",
+        DATAPREP,
+        [
+            "convert",
+            "--train",
+            "{tmp}/arrow/train",
+            "--out",
+            "{tmp}/ds",
+            "--shape",
+            "8,2,2",
+            "--skip-bad",
+            "--workers",
+            "1",
+        ],
+        "{tmp}/ds/train: nothing converted: all 3 input samples were skipped as bad (the first: row 0 'train-0': t5: "
+        "shape [4, 4096], expected [8, 4096]; all listed in {tmp}/ds/.dataprep/train/skipped.tsv)",
+    ),
     ("dataprep-unknown-command", DATAPREP, ["shuffle"], "argument command: invalid choice: 'shuffle'"),
 ]
 
@@ -195,14 +255,28 @@ def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, t
 @pytest.mark.slow
 def test_the_real_entry_points_report_bad_input_the_same(tmp_path):
     """One row per command through `python -m`, side by side."""
-    ids = ["train-not-a-number", "submit-no-runs", "bench-zero-steps", "results-no-such-run",
-           "checkpoint-not-a-checkpoint", "dataprep-convert-nothing"]
+    ids = [
+        "train-not-a-number",
+        "submit-no-runs",
+        "bench-zero-steps",
+        "results-no-such-run",
+        "checkpoint-not-a-checkpoint",
+        "dataprep-convert-nothing",
+    ]
     (tmp_path / "empty").mkdir()
     fill = functools.partial(str.format, root=ROOT, tmp=tmp_path)
     procs = {}
     for id_, command, argv, expected in (row for row in BAD_INPUTS if row[0] in ids):
-        procs[id_] = (subprocess.Popen([sys.executable, "-m", command.split()[-1], *map(fill, argv)], cwd=ROOT,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), fill(expected))
+        procs[id_] = (
+            subprocess.Popen(
+                [sys.executable, "-m", command.split()[-1], *map(fill, argv)],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+            fill(expected),
+        )
     assert len(procs) == len(ids)
     for id_, (proc, expected) in procs.items():
         err = proc.communicate(timeout=120)[1].strip()

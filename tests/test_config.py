@@ -18,9 +18,16 @@ def test_defaults_compose_in_order_and_file_wins(tmp_path):
 
 
 def test_set_overrides_parse_yaml_values(tmp_path):
-    cfg = load_config(write(tmp_path, "c.yaml", "{}\n"),
-                      ["train.lr=5e-4", "perf.warmup_iters=1", "model.axes_dims_rope=[8, 28, 28]",
-                       "model.attention_head_dim=64", "logging.out_dir=/tmp/x y"])
+    cfg = load_config(
+        write(tmp_path, "c.yaml", "{}\n"),
+        [
+            "train.lr=5e-4",
+            "perf.warmup_iters=1",
+            "model.axes_dims_rope=[8, 28, 28]",
+            "model.attention_head_dim=64",
+            "logging.out_dir=/tmp/x y",
+        ],
+    )
     assert cfg.train.lr == 5e-4 and cfg.perf.warmup_iters == 1
     assert cfg.model.axes_dims_rope == [8, 28, 28] and cfg.logging.out_dir == "/tmp/x y"
 
@@ -67,8 +74,9 @@ def test_missing_file_and_bad_default(tmp_path):
         load_config(write(tmp_path, "c.yaml", "defaults: [nothere]\n"))
 
 
-@pytest.mark.parametrize("gbs,steps,samples", [(512, 512, 262144), (2048, 128, 262144), (2304, 114, 262656),
-                                               (4096, 64, 262144)])
+@pytest.mark.parametrize(
+    "gbs,steps,samples", [(512, 512, 262144), (2048, 128, 262144), (2304, 114, 262656), (4096, 64, 262144)]
+)
 def test_eval_interval(tmp_path, gbs, steps, samples):
     cfg = load_config(write(tmp_path, "c.yaml", f"train: {{global_batch_size: {gbs}}}\n"))
     assert eval_interval_steps(cfg) == steps
@@ -82,12 +90,20 @@ def test_recipes_match_reference_table():
         assert (t.global_batch_size, t.lr, t.warmup_steps) == (gbs, lr, warmup)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["perf.cuda_graphs=true", "perf.warmup_iters=2"], "perf.cuda_graphs: FSDP2 gathers weights into fresh buffers"),
-    (["perf.cuda_graphs=true", "parallel.strategy=ddp"], "set perf.warmup_iters >= 1"),
-    (["parallel.strategy=ddp", "parallel.reduce_dtype=float32", "train.compute_dtype=bfloat16"],
-     "parallel.strategy=ddp reduces gradients in the compute dtype"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["perf.cuda_graphs=true", "perf.warmup_iters=2"],
+            "perf.cuda_graphs: FSDP2 gathers weights into fresh buffers",
+        ),
+        (["perf.cuda_graphs=true", "parallel.strategy=ddp"], "set perf.warmup_iters >= 1"),
+        (
+            ["parallel.strategy=ddp", "parallel.reduce_dtype=float32", "train.compute_dtype=bfloat16"],
+            "parallel.strategy=ddp reduces gradients in the compute dtype",
+        ),
+    ],
+)
 def test_layout_and_graph_combinations_that_cannot_work_are_refused(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, "c.yaml", "{}\n"), overrides)

@@ -2,6 +2,7 @@
 the fix for an engine that is missing, an image that is not there, a mount source that is not there, an rlimit
 the engine cannot set and a container that does not start, against the real podman (tests/containers.py); and
 config strings staying inert in it, with a stand-in engine that records what it is asked."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,13 @@ def check(engine, tmp_path: Path, *overrides: str, env: dict | None = None) -> s
     """The node check of a run as the Slurm tests submit it, plus overrides, on node "n7"."""
     cfg = load_config(SYSTEM, [*engine.overrides(tmp_path), f"slurm.folder={tmp_path}/sub/%j", *overrides])
     (tmp_path / "sub").mkdir(exist_ok=True)
-    return subprocess.run(container.node_check(cfg), capture_output=True, text=True, timeout=120,
-                          env={**(env or os.environ), "SLURMD_NODENAME": "n7"})
+    return subprocess.run(
+        container.node_check(cfg),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**(env or os.environ), "SLURMD_NODENAME": "n7"},
+    )
 
 
 def failed(done: subprocess.CompletedProcess) -> str:
@@ -46,21 +52,24 @@ def test_engine_missing(engine, tmp_path):
     (bin_dir / "bash").symlink_to(shutil.which("bash"))
     assert failed(check(engine, tmp_path, env={"PATH": str(bin_dir)})) == (
         "flux-train: error: node n7: podman is not installed here (not on PATH): install it on every node, or "
-        "choose another container.runtime")
+        "choose another container.runtime"
+    )
 
 
 @PODMAN
 def test_image_missing(engine, tmp_path):
     assert failed(check(engine, tmp_path, "container.image=localhost/flux-train-ci:nowhere")) == (
         "flux-train: error: node n7: image localhost/flux-train-ci:nowhere is not in the podman image store here: "
-        "build or load it on every node (podman load -i FILE), or fix container.image")
+        "build or load it on every node (podman load -i FILE), or fix container.image"
+    )
 
 
 @PODMAN
 def test_mount_source_missing(engine, tmp_path):
     assert failed(check(engine, tmp_path, "container.mounts=[/nonexistent/cc12m:/data:ro]")) == (
         "flux-train: error: node n7: mount source /nonexistent/cc12m does not exist here: create it on every node "
-        "(a shared filesystem), or fix container.mounts")
+        "(a shared filesystem), or fix container.mounts"
+    )
 
 
 @PODMAN
@@ -69,7 +78,8 @@ def test_rlimit_the_engine_cannot_set(engine, tmp_path):
     nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
     assert failed(check(engine, tmp_path, f"container.ulimits.nofile={nr_open + 1}")) == (
         "flux-train: error: node n7: podman cannot set the nofile limit here (higher than this node lets it): set "
-        "container.ulimits.nofile lower, e.g. --set container.ulimits.nofile=N:N")
+        "container.ulimits.nofile lower, e.g. --set container.ulimits.nofile=N:N"
+    )
 
 
 @PODMAN
@@ -77,7 +87,8 @@ def test_container_that_does_not_start(engine, tmp_path):
     # the image's own python3 finds the project in the working directory, but not its dependencies
     assert failed(check(engine, tmp_path, "container.python=/usr/bin/python3")) == (
         "flux-train: error: node n7: the container does not start (ModuleNotFoundError: No module named "
-        "'submitit'): check container.image, container.python and container.extra_args")
+        "'submitit'): check container.image, container.python and container.extra_args"
+    )
 
 
 FAKE_ENGINE = """
@@ -90,7 +101,7 @@ with open(os.environ["FAKE_ENGINE_RECORD"], "a") as record:
 @pytest.mark.parametrize("runtime", ["podman", "apptainer"])
 def test_config_strings_stay_inert_in_the_check(tmp_path, runtime):
     marker = tmp_path / "pwned"
-    evil = f"x'; touch {marker}; echo \"$(touch {marker})\" `touch {marker}`"
+    evil = f'x\'; touch {marker}; echo "$(touch {marker})" `touch {marker}`'
     python = f"/opt/py $(touch {marker}) ';touch {marker}'"  # container.python is split like a shell would
     source = tmp_path / f"my data;$(touch {marker})"
     source.mkdir(parents=True)
@@ -101,11 +112,17 @@ def test_config_strings_stay_inert_in_the_check(tmp_path, runtime):
     bin_dir.mkdir()
     (bin_dir / runtime).write_text(f"#!{sys.executable}" + FAKE_ENGINE)
     (bin_dir / runtime).chmod(0o755)
-    cfg = load_config(SYSTEM, [f"container.runtime={runtime}", f"container.image={json.dumps(str(image))}",
-                               f"container.mounts={json.dumps([f'{source}:/data'])}",
-                               f"container.extra_args={json.dumps([evil])}",
-                               f"container.python={json.dumps(python)}",
-                               f"slurm.folder={tmp_path}/sub/%j"])
+    cfg = load_config(
+        SYSTEM,
+        [
+            f"container.runtime={runtime}",
+            f"container.image={json.dumps(str(image))}",
+            f"container.mounts={json.dumps([f'{source}:/data'])}",
+            f"container.extra_args={json.dumps([evil])}",
+            f"container.python={json.dumps(python)}",
+            f"slurm.folder={tmp_path}/sub/%j",
+        ],
+    )
     (tmp_path / "sub").mkdir()
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_ENGINE_RECORD": str(record)}
     done = subprocess.run(container.node_check(cfg), capture_output=True, text=True, env=env, timeout=30)

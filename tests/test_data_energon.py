@@ -1,5 +1,6 @@
 """The energon side of flux_train.data on real datasets written by dataprep: the cooker, the train stream's
 order and exact resume, the val pass's exact coverage on any number of ranks, the empty encodings."""
+
 import io
 import json
 import shutil
@@ -13,8 +14,18 @@ import pytest
 import torch
 
 from dataprep.fixture import FixtureSpec, fixture_samples, write_fixture
-from dataprep.format import (METADATA, DatasetInfo, FormatError, Shape, decode_bf16, encode_bf16,
-                             load_empty_encodings, read_info, write_empty_encodings, write_info)
+from dataprep.format import (
+    METADATA,
+    DatasetInfo,
+    FormatError,
+    Shape,
+    decode_bf16,
+    encode_bf16,
+    load_empty_encodings,
+    read_info,
+    write_empty_encodings,
+    write_info,
+)
 from flux_train.config import DataConfig, load_config
 from flux_train.data import DataError
 from flux_train.energon_data import EnergonTrainStream, EnergonVal, build_energon, cook, val_counts
@@ -44,8 +55,13 @@ def fingerprint(batch):
 def nvidia_sample(parts, meta, json_as_dict=False):
     """A crude sample as energon hands it over for NVIDIA's layout: keys restart at 0, json bytes (decoder
     off, their choice) or dict (energon's default decoder)."""
-    raw = {"__key__": "00000000", "__shard__": "val/shard_000000.tar", "__restore_key__": ("x", 0),
-           "__sources__": (), "__subflavors__": {}}
+    raw = {
+        "__key__": "00000000",
+        "__shard__": "val/shard_000000.tar",
+        "__restore_key__": ("x", 0),
+        "__sources__": (),
+        "__subflavors__": {},
+    }
     raw["json"] = meta if json_as_dict else json.dumps(meta).encode()
     raw.update({f"{p}.bytes": b for p, b in parts.items()})
     return raw
@@ -115,8 +131,13 @@ def test_state_restored_in_a_fresh_process_continues_exactly(dataset, tmp_path, 
         next(ref)
     torch.save(ref.state_dict(), tmp_path / "state.pt")
     expected = [fingerprint(next(ref)) for _ in range(6)]
-    proc = subprocess.run([sys.executable, "-c", RESUME, str(dataset), str(tmp_path / "state.pt"), str(workers)],
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", RESUME, str(dataset), str(tmp_path / "state.pt"), str(workers)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
 
@@ -134,8 +155,7 @@ def test_state_from_another_layout_is_refused(dataset):
 
 def val_sample_ids():
     """clip[0] of val sample i (val i copies train i here, all distinct) -> i."""
-    return {round(float(decode_bf16(r["parts"]["clip"])[0]), 4): i
-            for i, r in enumerate(fixture_samples(SPEC, "val"))}
+    return {round(float(decode_bf16(r["parts"]["clip"])[0]), 4): i for i, r in enumerate(fixture_samples(SPEC, "val"))}
 
 
 @pytest.mark.slow
@@ -206,14 +226,16 @@ def test_dims_mismatch_is_named_in_one_line_before_a_sample_is_read(dataset, tmp
         build_energon(energon_config(dataset, "model.joint_attention_dim=3072"), 0, 1)
     assert str(bad_model.value) == (
         f"{dataset / METADATA}: the dataset's samples have t5 [4, 4096], the model takes t5 of width "
-        "model.joint_attention_dim 3072; use a model config with flux-schnell's input dims")
+        "model.joint_attention_dim 3072; use a model config with flux-schnell's input dims"
+    )
     other = tmp_path / "empty16"
     write_empty_encodings(other, torch.zeros(1, 16, 4096), torch.zeros(1, 768))
     with pytest.raises(DataError) as bad_empty:
         build_energon(energon_config(dataset, f"data.empty_encodings={other}"), 0, 1)
     assert str(bad_empty.value) == (
         f"{dataset / METADATA}: the dataset's samples have t5 [4, 4096], the empty encodings in {other} [16, 4096]; "
-        "point data.empty_encodings at the ones made for this data")
+        "point data.empty_encodings at the ones made for this data"
+    )
 
 
 def test_a_sample_unlike_the_description_is_named_at_the_first_eval(dataset, tmp_path):
@@ -222,21 +244,56 @@ def test_a_sample_unlike_the_description_is_named_at_the_first_eval(dataset, tmp
     source = build_energon(energon_config(copy), 0, 1)  # the description itself fits the model
     with pytest.raises(DataError) as exc:
         next(source.val())
-    assert str(exc.value) == (f"val/shard_000000.tar: sample 00000024: t5 [4, 4096], mean [16, 2, 2], but "
-                              f"{copy / METADATA} says L,H,W 4,4,4; check the dataset with `python -m dataprep "
-                              f"verify {copy}`")
+    assert str(exc.value) == (
+        f"val/shard_000000.tar: sample 00000024: t5 [4, 4096], mean [16, 2, 2], but "
+        f"{copy / METADATA} says L,H,W 4,4,4; check the dataset with `python -m dataprep "
+        f"verify {copy}`"
+    )
 
 
 @pytest.mark.slow
 def test_two_rank_training_reads_an_uneven_fixture_through_energon(tmp_path):
     """torchrun, 2 ranks, 13 val samples in batches of 4: ranks hold 7 and 6 samples, both run 2 forwards;
     the trainer checks that the eval counted all 13."""
-    args = ["--config", "configs/debug.yaml", "--set", "data.source=energon", "--set", "data.num_workers=1",
-            "--set", "data.synthetic_val_samples=13", "--set", f"data.fixture_dir={tmp_path / 'fixture'}",
-            "--set", "train.max_steps=4", "--set", "eval.every_steps=2", "--set", "eval.batch_size=4",
-            "--set", "train.micro_batch_size=4", "--set", "logging.log_every=2", "--set", f"logging.out_dir={tmp_path}"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "flux_train.train", *args], capture_output=True, text=True, timeout=600)
+    args = [
+        "--config",
+        "configs/debug.yaml",
+        "--set",
+        "data.source=energon",
+        "--set",
+        "data.num_workers=1",
+        "--set",
+        "data.synthetic_val_samples=13",
+        "--set",
+        f"data.fixture_dir={tmp_path / 'fixture'}",
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "eval.every_steps=2",
+        "--set",
+        "eval.batch_size=4",
+        "--set",
+        "train.micro_batch_size=4",
+        "--set",
+        "logging.log_every=2",
+        "--set",
+        f"logging.out_dir={tmp_path}",
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "flux_train.train",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(column(tmp_path, "val_loss")) == 2
     assert list((tmp_path / "fixture").glob("*/.nv-meta/dataset.yaml"))  # the fixture it wrote and read

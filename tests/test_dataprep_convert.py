@@ -1,5 +1,6 @@
 """`convert` + `prepare` on real HF-arrow inputs: byte-identical round trip in the on-disk layout, crash and
 rerun, and bad input (hard stop naming file and row, or --skip-bad counted and listed)."""
+
 import hashlib
 import io
 import json
@@ -36,8 +37,9 @@ def members(tar):
 
 def energon_samples(root, split):
     worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0)
-    ds = get_val_dataset(root, split_part=split, worker_config=worker_config, batch_size=None,
-                         task_encoder=FluxTaskEncoder())
+    ds = get_val_dataset(
+        root, split_part=split, worker_config=worker_config, batch_size=None, task_encoder=FluxTaskEncoder()
+    )
     return list(get_loader(ds))
 
 
@@ -45,8 +47,23 @@ def energon_samples(root, split):
 def test_round_trip_arrow_convert_prepare_energon_is_byte_identical(tmp_path):
     inputs = write_arrow(tmp_path / "arrow", SPEC)
     out = tmp_path / "ds"
-    rc = main(["convert", "--train", str(inputs["train"]), "--val", str(inputs["val"]), "--out", str(out),
-               "--shape", str(SHAPE), "--samples-per-shard", "4", "--workers", "2"])
+    rc = main(
+        [
+            "convert",
+            "--train",
+            str(inputs["train"]),
+            "--val",
+            str(inputs["val"]),
+            "--out",
+            str(out),
+            "--shape",
+            str(SHAPE),
+            "--samples-per-shard",
+            "4",
+            "--workers",
+            "2",
+        ]
+    )
     assert rc == 0
     prepare(out, workers=1)
     rows = {split: list(fixture_samples(SPEC, split)) for split in ("train", "val")}
@@ -67,7 +84,9 @@ def test_round_trip_arrow_convert_prepare_energon_is_byte_identical(tmp_path):
             for part, raw in row["parts"].items():
                 assert tars[f"{key}.{part}.bytes"] == raw  # the npy bytes unchanged
     assert yaml.safe_load((out / ".nv-meta" / "dataset.yaml").read_text()) == {
-        "__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
+        "__module__": "megatron.energon",
+        "__class__": "CrudeWebdataset",
+    }
     split_parts = yaml.safe_load((out / ".nv-meta" / "split.yaml").read_text())["split_parts"]
     assert split_parts["train"] == ["train/shard_{000000..000002}.tar"]
     assert split_parts["val"] == ["val/shard_{000000..000001}.tar"]
@@ -91,14 +110,31 @@ def digests(folder):
 def test_killed_convert_reruns_to_the_same_shards_without_partial_files(tmp_path):
     spec = FixtureSpec(train=40, val=0, text_len=256, height=2, width=2, samples_per_shard=2)
     inputs = write_arrow(tmp_path / "arrow", spec)
-    args = [sys.executable, "-m", "dataprep", "convert", "--train", str(inputs["train"]), "--shape", "256,2,2",
-            "--samples-per-shard", "2", "--workers", "1"]
+    args = [
+        sys.executable,
+        "-m",
+        "dataprep",
+        "convert",
+        "--train",
+        str(inputs["train"]),
+        "--shape",
+        "256,2,2",
+        "--samples-per-shard",
+        "2",
+        "--workers",
+        "1",
+    ]
     reference = tmp_path / "reference"
     subprocess.run([*args, "--out", str(reference)], check=True, capture_output=True, cwd=ROOT, timeout=600)
 
     out = tmp_path / "out"
-    proc = subprocess.Popen([*args, "--out", str(out)], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*args, "--out", str(out)],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     records = out / ".dataprep" / "train"
     deadline = time.time() + 300
     while len(list(records.glob("shard_*.tar.json"))) < 3 and time.time() < deadline and proc.poll() is None:
@@ -135,8 +171,11 @@ def duplicate_key(samples):
 
 def test_bad_sample_stops_with_file_row_and_problem_and_leaves_no_partial_shard(tmp_path):
     path = bad_input(tmp_path, wrong_shape)
-    with pytest.raises(DataprepError, match=rf"{path}: row 7 \(__key__ 'train-7'\): t5: shape \[5, 4096\], "
-                                            r"expected \[4, 4096\]; fix the input or pass --skip-bad"):
+    with pytest.raises(
+        DataprepError,
+        match=rf"{path}: row 7 \(__key__ 'train-7'\): t5: shape \[5, 4096\], "
+        r"expected \[4, 4096\]; fix the input or pass --skip-bad",
+    ):
         convert(tmp_path / "out", path, None, 4, SHAPE, 1, skip_bad=False)
     assert not list((tmp_path / "out").rglob("*.partial"))
     assert not (tmp_path / "out" / "train" / "shard_000001.tar").exists()  # the shard holding row 7
@@ -160,8 +199,25 @@ def test_skip_bad_counts_and_lists_the_skipped_samples(tmp_path, capsys):
 
     path = bad_input(tmp_path, both)
     out = tmp_path / "out"
-    assert main(["convert", "--train", str(path), "--out", str(out), "--shape", str(SHAPE), "--samples-per-shard", "4",
-                 "--workers", "1", "--skip-bad"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--train",
+                str(path),
+                "--out",
+                str(out),
+                "--shape",
+                str(SHAPE),
+                "--samples-per-shard",
+                "4",
+                "--workers",
+                "1",
+                "--skip-bad",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "skipped inputs  2" in printed and "row 7 'train-7': t5: shape [5, 4096]" in printed
     listed = (out / ".dataprep" / "train" / "skipped.tsv").read_text().splitlines()
@@ -179,8 +235,9 @@ def nvidia_layout(out, val_first_key):
         with tarfile.open(out / split / "shard_000000.tar", "w") as tar:
             for i, row in enumerate(rows[split]):
                 meta = {"key": row["key"]} | ({"timestep": row["timestep"]} if split == "val" else {})
-                for ext, data in [("json", json.dumps(meta).encode())] + \
-                        [(f"{p}.bytes", row["parts"][p]) for p in ("t5", "clip", "mean", "logvar")]:
+                for ext, data in [("json", json.dumps(meta).encode())] + [
+                    (f"{p}.bytes", row["parts"][p]) for p in ("t5", "clip", "mean", "logvar")
+                ]:
                     info = tarfile.TarInfo(f"{first + i:08d}.{ext}")
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))

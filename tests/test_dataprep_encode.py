@@ -1,5 +1,6 @@
 """`encode` and `empty-encodings` with tiny random-weight VAE/T5/CLIP (tests/tiny_models.py, no downloads): the
 documented shapes and dtypes, the encoders' outputs stored bit for bit, the resize rules, bad inputs."""
+
 import io
 import tarfile
 
@@ -23,17 +24,29 @@ def image_bytes(size, fmt, seed):
 
 
 def encoder_args(models):
-    return ["--t5", str(models / "t5"), "--t5-tokenizer", str(models / "tokenizer"), "--clip", str(models / "clip"),
-            "--clip-tokenizer", str(models / "tokenizer"), "--device", "cpu"]
+    return [
+        "--t5",
+        str(models / "t5"),
+        "--t5-tokenizer",
+        str(models / "tokenizer"),
+        "--clip",
+        str(models / "clip"),
+        "--clip-tokenizer",
+        str(models / "tokenizer"),
+        "--device",
+        "cpu",
+    ]
 
 
 def cc12m_shard(path):
     """A webdataset shard as CC12M ships: KEY.jpg/png + KEY.txt; sample 2's image is broken, 3's caption empty."""
-    samples = [("s0", "jpg", image_bytes((300, 200), "JPEG", 0), "a red cat"),
-               ("s1", "png", image_bytes((200, 340), "PNG", 1), "a dog on the blue"),
-               ("s2", "jpg", b"not an image", "a cat"),
-               ("s3", "png", image_bytes((256, 256), "PNG", 3), "  "),
-               ("s4", "png", image_bytes((512, 300), "PNG", 4), "green dog")]
+    samples = [
+        ("s0", "jpg", image_bytes((300, 200), "JPEG", 0), "a red cat"),
+        ("s1", "png", image_bytes((200, 340), "PNG", 1), "a dog on the blue"),
+        ("s2", "jpg", b"not an image", "a cat"),
+        ("s3", "png", image_bytes((256, 256), "PNG", 3), "  "),
+        ("s4", "png", image_bytes((512, 300), "PNG", 4), "green dog"),
+    ]
     with tarfile.open(path, "w") as tar:
         for key, ext, data, caption in samples:
             for name, payload in ((f"{key}.{ext}", data), (f"{key}.txt", caption.encode())):
@@ -61,8 +74,20 @@ def members(tar_path):
 def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it(tiny_models, tmp_path, capsys):
     out = tmp_path / "ds"
     shard = cc12m_shard(tmp_path / "cc12m-000.tar")
-    train = ["encode", "--split", "train", "--wds", str(shard), "--out", str(out), "--vae", str(tiny_models / "vae"),
-             *encoder_args(tiny_models), "--batch-size", "2"]
+    train = [
+        "encode",
+        "--split",
+        "train",
+        "--wds",
+        str(shard),
+        "--out",
+        str(out),
+        "--vae",
+        str(tiny_models / "vae"),
+        *encoder_args(tiny_models),
+        "--batch-size",
+        "2",
+    ]
     assert main(train) == 2  # the broken image stops it, named (bad input: exit 2)
     assert "cc12m-000.tar:s2 (row 2): undecodable image" in capsys.readouterr().err
     assert main([*train, "--skip-bad"]) == 0
@@ -70,8 +95,25 @@ def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it
     assert "skipped inputs  2" in printed and "row 3 's3': empty caption" in printed
 
     image_dir, tsv = coco_folder(tmp_path / "coco")
-    assert main(["encode", "--split", "val", "--images", str(image_dir), "--captions", str(tsv), "--out", str(out),
-                 "--vae", str(tiny_models / "vae"), *encoder_args(tiny_models)]) == 0
+    assert (
+        main(
+            [
+                "encode",
+                "--split",
+                "val",
+                "--images",
+                str(image_dir),
+                "--captions",
+                str(tsv),
+                "--out",
+                str(out),
+                "--vae",
+                str(tiny_models / "vae"),
+                *encoder_args(tiny_models),
+            ]
+        )
+        == 0
+    )
     assert main(["empty-encodings", "--out", str(out), *encoder_args(tiny_models)]) == 0
     prepare(out, workers=1, quiet=True)
     capsys.readouterr()
@@ -94,9 +136,12 @@ def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it
     t5_ids = tok(caption, max_length=256, padding="max_length", truncation=True, return_tensors="pt").input_ids
     clip_ids = tok(caption, max_length=77, padding="max_length", truncation=True, return_tensors="pt").input_ids
     with torch.no_grad():
-        expected = {"mean": posterior.mean[0], "logvar": posterior.logvar[0],
-                    "t5": T5EncoderModel.from_pretrained(tiny_models / "t5")(input_ids=t5_ids).last_hidden_state[0],
-                    "clip": CLIPTextModel.from_pretrained(tiny_models / "clip")(input_ids=clip_ids).pooler_output[0]}
+        expected = {
+            "mean": posterior.mean[0],
+            "logvar": posterior.logvar[0],
+            "t5": T5EncoderModel.from_pretrained(tiny_models / "t5")(input_ids=t5_ids).last_hidden_state[0],
+            "clip": CLIPTextModel.from_pretrained(tiny_models / "clip")(input_ids=clip_ids).pooler_output[0],
+        }
     shapes = {"t5": (256, 4096), "clip": (768,), "mean": (16, 32, 32), "logvar": (16, 32, 32)}
     for part, shape in shapes.items():
         stored = decode_bf16(val_members[f"00000006.{part}.bytes"])
@@ -142,13 +187,28 @@ def test_crop_rounds_the_longer_side_up_and_squash_ignores_aspect():
 def test_wrong_encoder_weights_stop_before_a_wrong_dataset(tiny_models, tmp_path, capsys):
     from transformers import T5Config, T5EncoderModel
 
-    T5EncoderModel(T5Config(vocab_size=16, d_model=64, d_kv=8, d_ff=16, num_layers=1, num_heads=2,
-                            decoder_start_token_id=0)).save_pretrained(tmp_path / "t5-base-like")
+    T5EncoderModel(
+        T5Config(vocab_size=16, d_model=64, d_kv=8, d_ff=16, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    ).save_pretrained(tmp_path / "t5-base-like")
     image_dir, tsv = coco_folder(tmp_path / "coco")
     args = encoder_args(tiny_models)
     args[args.index("--t5") + 1] = str(tmp_path / "t5-base-like")
-    rc = main(["encode", "--split", "train", "--images", str(image_dir), "--captions", str(tsv),
-               "--out", str(tmp_path / "ds"), "--vae", str(tiny_models / "vae"), *args])
+    rc = main(
+        [
+            "encode",
+            "--split",
+            "train",
+            "--images",
+            str(image_dir),
+            "--captions",
+            str(tsv),
+            "--out",
+            str(tmp_path / "ds"),
+            "--vae",
+            str(tiny_models / "vae"),
+            *args,
+        ]
+    )
     assert rc == 2
     assert "the encoders produced t5: shape [256, 64], expected [256, 4096]" in capsys.readouterr().err
     assert not list((tmp_path / "ds" / "train").glob("*.tar*"))

@@ -1,5 +1,6 @@
 """`verify` passes a clean dataset with its counts and fails on each planted defect, naming it; the dataset
 describes itself (shape and counts, written by `prepare`) and verify checks the samples against that."""
+
 import io
 import shutil
 import tarfile
@@ -54,7 +55,7 @@ def test_clean_dataset_passes_with_counts_per_split_and_timestep(clean, capsys):
 
 def test_truncated_tar_is_named(dataset, capsys):
     shard = dataset / "train" / "shard_000001.tar"
-    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])  # a copy cut mid-sample
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a copy cut mid-sample
     rc, out = verify(dataset, capsys)
     assert rc == 1
     assert f"{shard}: truncated or corrupt tar" in out
@@ -94,8 +95,9 @@ def test_fixture_then_verify_with_no_flags_passes(tmp_path, capsys):
     assert rc == 0, out
     assert "sample shape      L,H,W 16,8,8 (recorded in the dataset)" in out
     info = read_info(tmp_path / "ds")
-    assert info == DatasetInfo(Shape(16, 8, 8), {"train": {"shards": 1, "samples": 6},
-                                                 "val": {"shards": 1, "samples": 5}})
+    assert info == DatasetInfo(
+        Shape(16, 8, 8), {"train": {"shards": 1, "samples": 6}, "val": {"shards": 1, "samples": 5}}
+    )
 
 
 def test_samples_unlike_the_recorded_shape_fail_naming_the_sample(tmp_path, capsys):
@@ -124,5 +126,8 @@ def test_missing_description_and_stale_counts_are_named(dataset, capsys):
     (dataset / METADATA).unlink()
     rc = main(["verify", str(dataset), "--workers", "0"])
     out = capsys.readouterr().out
-    assert rc == 1 and f"{dataset / METADATA}: missing, so the sample shape is unknown; run `python -m dataprep " \
-                       f"prepare {dataset}`" in out
+    assert (
+        rc == 1
+        and f"{dataset / METADATA}: missing, so the sample shape is unknown; run `python -m dataprep prepare {dataset}`"
+        in out
+    )

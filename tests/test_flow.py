@@ -66,8 +66,10 @@ def test_caption_dropout_rate_and_replaces_both():
 
 def test_seeded_generators_differ_by_rank_stream_and_step_but_replay():
     dev = torch.device("cpu")
+
     def draw(*key):
         return torch.rand(4, generator=flow.seeded_generator(dev, *key)).tolist()
+
     assert draw(1, 5, 0, flow.STREAM_NOISE) == draw(1, 5, 0, flow.STREAM_NOISE)
     variants = [draw(1, 5, 1, 0), draw(1, 6, 0, 0), draw(1, 5, 0, 1), draw(2, 5, 0, 0)]
     assert all(v != draw(1, 5, 0, 0) for v in variants)

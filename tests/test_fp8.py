@@ -1,4 +1,5 @@
 """FP8 linear (CPU emulation of the same quantisation the GPU path feeds torch._scaled_mm)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,13 +8,16 @@ from flux_train.kernels.fp8 import FP8Linear, convert_to_fp8, e4m3_dtype, linear
 from run_outputs import column
 
 
-@pytest.mark.parametrize("arch,dtype", [
-    (None, torch.float8_e4m3fn),  # NVIDIA (and the CPU emulation)
-    ("gfx942:sramecc+:xnack-", torch.float8_e4m3fnuz),  # MI300X / MI325X: the fnuz formats only
-    ("gfx942", torch.float8_e4m3fnuz),
-    ("gfx950:sramecc+:xnack-", torch.float8_e4m3fn),  # MI355X: OCP formats
-    ("gfx90a", torch.float8_e4m3fn),
-])
+@pytest.mark.parametrize(
+    "arch,dtype",
+    [
+        (None, torch.float8_e4m3fn),  # NVIDIA (and the CPU emulation)
+        ("gfx942:sramecc+:xnack-", torch.float8_e4m3fnuz),  # MI300X / MI325X: the fnuz formats only
+        ("gfx942", torch.float8_e4m3fnuz),
+        ("gfx950:sramecc+:xnack-", torch.float8_e4m3fn),  # MI355X: OCP formats
+        ("gfx90a", torch.float8_e4m3fn),
+    ],
+)
 def test_e4m3_format_follows_the_gpu(arch, dtype):
     assert e4m3_dtype(arch) == dtype
 
@@ -28,8 +32,8 @@ def test_quantize_round_trip_within_e4m3_precision(dim, fp8):
     assert q.float().abs().max() <= torch.finfo(fp8).max  # 448 (fn) or 240 (fnuz)
     back = q.float() * scale
     # 3 mantissa bits: relative rounding error <= 2^-4 for values in the normal range of their scale group
-    normal = x.abs() >= scale * 2 ** -6
-    assert ((back - x).abs() <= x.abs() * 2 ** -4 + 1e-12)[normal].all()
+    normal = x.abs() >= scale * 2**-6
+    assert ((back - x).abs() <= x.abs() * 2**-4 + 1e-12)[normal].all()
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
@@ -66,16 +70,30 @@ def test_fp8_conversion_swaps_only_the_token_linears_and_keeps_the_weights(impl)
     from flux_train.model import build_model, materialize
     from flux_train.perf import apply_fp8
 
-    cfg = ModelConfig(flavor="t", num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                      axes_dims_rope=[4, 6, 6])
+    cfg = ModelConfig(
+        flavor="t",
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        axes_dims_rope=[4, 6, 6],
+    )
     model = materialize(build_model(cfg), torch.device("cpu"), seed=0)
     before = {n: p.clone() for n, p in model.named_parameters()}
     apply_fp8(model, "tensorwise", impl, torch.device("cpu"))
     fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, (FP8Linear, Float8Linear)))
-    assert fp8 == ["double_blocks.0.img_attn.proj", "double_blocks.0.img_attn.qkv", "double_blocks.0.img_mlp.0",
-                   "double_blocks.0.img_mlp.2", "double_blocks.0.txt_attn.proj", "double_blocks.0.txt_attn.qkv",
-                   "double_blocks.0.txt_mlp.0", "double_blocks.0.txt_mlp.2", "single_blocks.0.linear1",
-                   "single_blocks.0.linear2"]
+    assert fp8 == [
+        "double_blocks.0.img_attn.proj",
+        "double_blocks.0.img_attn.qkv",
+        "double_blocks.0.img_mlp.0",
+        "double_blocks.0.img_mlp.2",
+        "double_blocks.0.txt_attn.proj",
+        "double_blocks.0.txt_attn.qkv",
+        "double_blocks.0.txt_mlp.0",
+        "double_blocks.0.txt_mlp.2",
+        "single_blocks.0.linear1",
+        "single_blocks.0.linear2",
+    ]
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
@@ -83,8 +101,16 @@ def test_our_fp8_linears_carry_the_platform_format():
     from flux_train.config import ModelConfig
     from flux_train.model import build_model, is_token_linear
 
-    model = build_model(ModelConfig(flavor="t", num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                    num_attention_heads=2, axes_dims_rope=[4, 6, 6]))
+    model = build_model(
+        ModelConfig(
+            flavor="t",
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            axes_dims_rope=[4, 6, 6],
+        )
+    )
     convert_to_fp8(model, "rowwise", torch.float8_e4m3fnuz, is_token_linear)
     fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
     assert fp8 and all(m.fp8_dtype == torch.float8_e4m3fnuz and m.recipe == "rowwise" for m in fp8)
@@ -104,8 +130,23 @@ def test_fp8_debug_run_converges_like_bf16(tmp_path):
     vals = {}
     for recipe in ("none", "rowwise"):
         out = tmp_path / recipe
-        assert main(["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", f"perf.fp8={recipe}",
-                     "--set", "train.max_steps=50", "--set", f"logging.out_dir={out}"]) == 0
+        assert (
+            main(
+                [
+                    "--config",
+                    "configs/debug.yaml",
+                    "--set",
+                    "data.source=synthetic",
+                    "--set",
+                    f"perf.fp8={recipe}",
+                    "--set",
+                    "train.max_steps=50",
+                    "--set",
+                    f"logging.out_dir={out}",
+                ]
+            )
+            == 0
+        )
         vals[recipe] = column(out, "val_loss")
     assert len(vals["none"]) == 2 and vals["none"][-1] < vals["none"][0]
     assert vals["rowwise"] == pytest.approx(vals["none"], rel=0.03)

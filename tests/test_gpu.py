@@ -35,18 +35,24 @@ def test_triton_rmsnorm_forward_backward_vs_float64(shape, scale):
     yr = reference64(xr, wr, 1e-6)
     yr.backward(dy.double())
     # output: one bf16 rounding of an fp32 result (2^-8 relative)
-    torch.testing.assert_close(y.double(), yr, rtol=2 ** -7, atol=1e-5 * scale)
+    torch.testing.assert_close(y.double(), yr, rtol=2**-7, atol=1e-5 * scale)
     # dx: fp32 math, one bf16 rounding; dW sums over rows in fp32 then rounds once
-    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=2 ** -6, atol=2 ** -6 * xr.grad.abs().max().item() / 8)
-    torch.testing.assert_close(w.grad.double(), wr.grad, rtol=2 ** -6, atol=1e-3 * wr.grad.abs().max().item())
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=2**-6, atol=2**-6 * xr.grad.abs().max().item() / 8)
+    torch.testing.assert_close(w.grad.double(), wr.grad, rtol=2**-6, atol=1e-3 * wr.grad.abs().max().item())
     # and no worse than the torch fallback against the same reference
     y_torch = rms_norm_torch(x.detach(), w.detach(), 1e-6)
     assert (y.double() - yr).abs().max() <= (y_torch.double() - yr).abs().max() * 1.5 + 1e-6
 
 
 def small_model(rmsnorm="auto", compile_mode="none"):
-    cfg = ModelConfig(flavor="gpu-test", num_layers=2, num_single_layers=2, attention_head_dim=128,
-                      num_attention_heads=4, axes_dims_rope=[16, 56, 56])
+    cfg = ModelConfig(
+        flavor="gpu-test",
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=128,
+        num_attention_heads=4,
+        axes_dims_rope=[16, 56, 56],
+    )
     model = materialize(build_model(cfg, rmsnorm), torch.device("cuda"), seed=0)
     with torch.no_grad():
         for p in model.parameters():
@@ -56,11 +62,14 @@ def small_model(rmsnorm="auto", compile_mode="none"):
 
 def inputs(cfg, batch=4):
     g = torch.Generator(device="cuda").manual_seed(1)
-    kw = dict(img=torch.randn(batch, 64, 64, device="cuda", generator=g).bfloat16(),
-              img_ids=flow.image_ids(16, 16, "cuda"),
-              txt=torch.randn(batch, 32, 4096, device="cuda", generator=g).bfloat16(),
-              txt_ids=flow.text_ids(32, "cuda"), timesteps=torch.rand(batch, device="cuda", generator=g).bfloat16(),
-              y=torch.randn(batch, 768, device="cuda", generator=g).bfloat16())
+    kw = dict(
+        img=torch.randn(batch, 64, 64, device="cuda", generator=g).bfloat16(),
+        img_ids=flow.image_ids(16, 16, "cuda"),
+        txt=torch.randn(batch, 32, 4096, device="cuda", generator=g).bfloat16(),
+        txt_ids=flow.text_ids(32, "cuda"),
+        timesteps=torch.rand(batch, device="cuda", generator=g).bfloat16(),
+        y=torch.randn(batch, 768, device="cuda", generator=g).bfloat16(),
+    )
     return kw, torch.randn(batch, 64, 64, device="cuda", generator=g)
 
 
@@ -147,13 +156,15 @@ def test_triton_adamw_matches_torch_adamw_with_clipping(n):
     master = torch.randn(n, device="cuda", generator=g)
     ref = torch.nn.Parameter(master.clone())
     opt = torch.optim.AdamW([ref], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    m, v, out = torch.zeros_like(master), torch.zeros_like(master), torch.full((n,), float("nan"), device="cuda",
-                                                                               dtype=torch.bfloat16)
+    m, v, out = (
+        torch.zeros_like(master),
+        torch.zeros_like(master),
+        torch.full((n,), float("nan"), device="cuda", dtype=torch.bfloat16),
+    )
     for step in range(1, 6):
         grad = (torch.randn(n, device="cuda", generator=g) * 3).bfloat16()
         coef = torch.tensor([0.5 if step % 2 else 1.0], device="cuda")  # clipping on every other step
-        adamw_step(master, m, v, grad, out, coef, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                   step=step)
+        adamw_step(master, m, v, grad, out, coef, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step)
         ref.grad = grad.float() * coef
         opt.step()
         torch.testing.assert_close(master, ref.detach(), rtol=1e-5, atol=1e-6)
@@ -171,12 +182,42 @@ def test_trainer_graphed_steps_equal_eager_steps(tmp_path):
     runs = {}
     for graphs in (False, True):
         out = tmp_path / f"graphs{graphs}"
-        args = ["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", "train.device=cuda",
-                "--set", "train.compute_dtype=bfloat16", "--set", "perf.attention=flash", "--set", "perf.compile=block",
-                "--set", "parallel.strategy=ddp", "--set", f"perf.cuda_graphs={str(graphs).lower()}",
-                "--set", "perf.warmup_iters=1", "--set", "perf.warmup_latent_size=8", "--set", "train.max_steps=6",
-                "--set", "train.micro_batch_size=2", "--set", "train.global_batch_size=6", "--set", "eval.enabled=false",
-                "--set", "logging.log_every=1", "--set", "logging.progress_bar=false", "--set", f"logging.out_dir={out}"]
+        args = [
+            "--config",
+            "configs/debug.yaml",
+            "--set",
+            "data.source=synthetic",
+            "--set",
+            "train.device=cuda",
+            "--set",
+            "train.compute_dtype=bfloat16",
+            "--set",
+            "perf.attention=flash",
+            "--set",
+            "perf.compile=block",
+            "--set",
+            "parallel.strategy=ddp",
+            "--set",
+            f"perf.cuda_graphs={str(graphs).lower()}",
+            "--set",
+            "perf.warmup_iters=1",
+            "--set",
+            "perf.warmup_latent_size=8",
+            "--set",
+            "train.max_steps=6",
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "train.global_batch_size=6",
+            "--set",
+            "eval.enabled=false",
+            "--set",
+            "logging.log_every=1",
+            "--set",
+            "logging.progress_bar=false",
+            "--set",
+            f"logging.out_dir={out}",
+        ]
         assert main(args) == 0
         runs[graphs] = (column(out, "loss"), column(out, "grad_norm"))
     assert len(runs[True][0]) == 6

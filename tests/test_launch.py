@@ -1,6 +1,7 @@
 """The per-node agent (flux_train/launch.py): environment profiles and their precedence, Slurm topology,
 the USR2 and TERM relay to workers (also with two signals at once), the preemption exit contract, and a killed
 worker or SIGTERM ending a --local run."""
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,15 @@ def test_profiles_parse_and_leave_nvlink_multicast_alone():
 
 
 def test_environment_precedence(tmp_path):
-    cfg = load_config(SYSTEM, ["env.profile=nvidia", "env.socket_ifname=ib0", "env.ib_hca=mlx5_0,mlx5_1",
-                               "env.vars={NCCL_DEBUG: INFO, NCCL_NVLS_ENABLE: '1'}"])
+    cfg = load_config(
+        SYSTEM,
+        [
+            "env.profile=nvidia",
+            "env.socket_ifname=ib0",
+            "env.ib_hca=mlx5_0,mlx5_1",
+            "env.vars={NCCL_DEBUG: INFO, NCCL_NVLS_ENABLE: '1'}",
+        ],
+    )
     wanted = launch.wanted_env(cfg, tmp_path)
     assert wanted["NCCL_DEBUG"] == "INFO"  # env.vars beat the profile file
     assert wanted["NCCL_SOCKET_IFNAME"] == wanted["GLOO_SOCKET_IFNAME"] == "ib0"
@@ -59,13 +67,25 @@ def test_socket_ifname_auto_is_the_default_route(tmp_path):
 
 
 def test_node_from_slurm(monkeypatch):
-    for key, value in {"SLURM_JOB_ID": "77", "SLURM_NODEID": "2", "SLURM_JOB_NUM_NODES": "3",
-                       "SLURM_JOB_NODELIST": "gpu[08-09],gpu11", "SLURM_RESTART_COUNT": "1",
-                       "SLURM_PROCID": "2", "SLURM_NTASKS": "3"}.items():
+    for key, value in {
+        "SLURM_JOB_ID": "77",
+        "SLURM_NODEID": "2",
+        "SLURM_JOB_NUM_NODES": "3",
+        "SLURM_JOB_NODELIST": "gpu[08-09],gpu11",
+        "SLURM_RESTART_COUNT": "1",
+        "SLURM_PROCID": "2",
+        "SLURM_NTASKS": "3",
+    }.items():
         monkeypatch.setenv(key, value)
     node = launch.Node.detect()
-    assert (node.job_id, node.rank, node.count, node.host, node.master, node.restarts) == \
-           ("77", 2, 3, "gpu11", "gpu08", 1)
+    assert (node.job_id, node.rank, node.count, node.host, node.master, node.restarts) == (
+        "77",
+        2,
+        3,
+        "gpu11",
+        "gpu08",
+        1,
+    )
     assert node.port(29500) == 29500
     # derived from the job id: the same on every node, and below the ephemeral ports no connection can hold
     assert node.port(0) == launch.Node.detect().port(0) and 20000 <= node.port(0) < 32768
@@ -86,8 +106,10 @@ time.sleep(10)
 
 def test_relay_waits_until_each_worker_handles_usr2(tmp_path):
     node = launch.Node.detect(local=True)
-    children = [subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / f"w{i}"), str(delay)],
-                                 start_new_session=True) for i, delay in enumerate((0.0, 2.0))]
+    children = [
+        subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / f"w{i}"), str(delay)], start_new_session=True)
+        for i, delay in enumerate((0.0, 2.0))
+    ]
     previous = signal.getsignal(signal.SIGUSR2)
     try:
         with launch.SignalRelay(node):
@@ -143,8 +165,9 @@ def test_two_signals_within_a_millisecond_never_hang_or_act_twice(signum):
     of two signals sent back to back: each round the worker gets the signal exactly once and the agent never
     blocks (the handler that set a threading.Event deadlocked within a few rounds)."""
     rounds = 300
-    agent = subprocess.Popen([sys.executable, "-c", DOUBLE_SIGNAL_AGENT, str(rounds), COUNTING_WORKER], cwd=ROOT,
-                             stdout=subprocess.PIPE)
+    agent = subprocess.Popen(
+        [sys.executable, "-c", DOUBLE_SIGNAL_AGENT, str(rounds), COUNTING_WORKER], cwd=ROOT, stdout=subprocess.PIPE
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line.decode().strip()) for line in agent.stdout], daemon=True).start()
 
@@ -176,11 +199,32 @@ def test_two_sigterms_stop_a_running_agent_once(tmp_path):
     passes it on once, its workers stop, and it exits with 143 (no traceback, no worker left behind)."""
     marker = str(tmp_path)
     agent = subprocess.Popen(
-        [sys.executable, "-m", "flux_train.launch", "--local", "--config", SYSTEM, "--set", "slurm.nodes=1",
-         "--set", "train.global_batch_size=4", "--set", "train.max_steps=100000", "--set", "eval.enabled=false",
-         "--set", f"logging.out_dir={tmp_path}/out", "--set", f"env.local_dir={tmp_path}"],
-        cwd=ROOT, env={**os.environ, "FLUX_TEST_MARKER": marker}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "flux_train.launch",
+            "--local",
+            "--config",
+            SYSTEM,
+            "--set",
+            "slurm.nodes=1",
+            "--set",
+            "train.global_batch_size=4",
+            "--set",
+            "train.max_steps=100000",
+            "--set",
+            "eval.enabled=false",
+            "--set",
+            f"logging.out_dir={tmp_path}/out",
+            "--set",
+            f"env.local_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "FLUX_TEST_MARKER": marker},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         mllog = tmp_path / "out" / "mllog.log"
         deadline = time.monotonic() + 120
@@ -201,11 +245,32 @@ def test_two_sigterms_stop_a_running_agent_once(tmp_path):
 def test_local_run_killed_worker_ends_it_naming_the_rank(tmp_path):
     marker = str(tmp_path)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flux_train.submit", "--local", "--config", SYSTEM, "--nodes", "1",
-         "--set", "train.global_batch_size=4", "--set", "train.max_steps=100000", "--set", "eval.enabled=false",
-         "--set", f"logging.out_dir={tmp_path}/out", "--set", f"slurm.folder={tmp_path}/sub/%j"],
-        cwd=ROOT, env={**os.environ, "FLUX_TEST_MARKER": marker}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "flux_train.submit",
+            "--local",
+            "--config",
+            SYSTEM,
+            "--nodes",
+            "1",
+            "--set",
+            "train.global_batch_size=4",
+            "--set",
+            "train.max_steps=100000",
+            "--set",
+            "eval.enabled=false",
+            "--set",
+            f"logging.out_dir={tmp_path}/out",
+            "--set",
+            f"slurm.folder={tmp_path}/sub/%j",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "FLUX_TEST_MARKER": marker},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         mllog = tmp_path / "out" / "mllog.log"
@@ -238,8 +303,9 @@ def test_runtime_tunables_report_each_step_and_never_fail(tmp_path):
 
 def test_failure_names_rank_host_cause_and_stderr_tail(tmp_path, monkeypatch):
     """A worker that raises: the agent's message names its rank, host, exit code and ends with its traceback."""
-    cfg = load_config(SYSTEM, ["slurm.nodes=1", "slurm.gpus_per_node=1", "train.global_batch_size=2",
-                               f"env.local_dir={tmp_path}"])
+    cfg = load_config(
+        SYSTEM, ["slurm.nodes=1", "slurm.gpus_per_node=1", "train.global_batch_size=2", f"env.local_dir={tmp_path}"]
+    )
     monkeypatch.setattr(launch, "worker_args", lambda config_file: ["-c", "raise SystemExit('boom: bad shard')"])
     for key in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         monkeypatch.delenv(key, raising=False)  # the agent exports them: restored after the test
@@ -259,12 +325,39 @@ def test_local_launcher_run_with_evals_on_the_energon_fixture_passes_the_checker
     eval_accuracy may fail: 50 steps do not reach 0.586)."""
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "flux_train.submit", "--local", "--config", SYSTEM, "--nodes", "1",
-         "--set", "data.source=energon", "--set", "data.path=null", "--set", "data.num_workers=0",
-         "--set", f"data.fixture_dir={tmp_path}/fixture", "--set", "train.global_batch_size=4",
-         "--set", "train.max_steps=50", "--set", "eval.every_steps=25", "--set", f"logging.out_dir={out}",
-         "--set", f"slurm.folder={tmp_path}/sub/%j"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "flux_train.submit",
+            "--local",
+            "--config",
+            SYSTEM,
+            "--nodes",
+            "1",
+            "--set",
+            "data.source=energon",
+            "--set",
+            "data.path=null",
+            "--set",
+            "data.num_workers=0",
+            "--set",
+            f"data.fixture_dir={tmp_path}/fixture",
+            "--set",
+            "train.global_batch_size=4",
+            "--set",
+            "train.max_steps=50",
+            "--set",
+            "eval.every_steps=25",
+            "--set",
+            f"logging.out_dir={out}",
+            "--set",
+            f"slurm.folder={tmp_path}/sub/%j",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     events = results.read_events(out / "mllog.log")
     assert [e["metadata"]["samples_count"] for e in events if e["key"] == "eval_accuracy"] == [100, 200]

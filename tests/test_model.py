@@ -1,5 +1,6 @@
 """Our Flux modules in the reference layout: size, equality with diffusers' FluxTransformer2DModel through the
 state-dict adapter, the reference initialisation, loading local weights."""
+
 import math
 
 import pytest
@@ -13,8 +14,16 @@ from flux_train.kernels import RMSNorm
 from flux_train.model import apply_rope, build_model, count_params, flops_per_sample, init_rule, materialize
 
 SCHNELL = load_config("configs/model/flux-schnell.yaml").model
-TINY = ModelConfig(flavor="tiny", num_layers=2, num_single_layers=2, attention_head_dim=32, num_attention_heads=4,
-                   axes_dims_rope=[8, 12, 12], joint_attention_dim=64, pooled_projection_dim=32)
+TINY = ModelConfig(
+    flavor="tiny",
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=32,
+    num_attention_heads=4,
+    axes_dims_rope=[8, 12, 12],
+    joint_attention_dim=64,
+    pooled_projection_dim=32,
+)
 
 
 def test_flux_schnell_has_exact_parameter_count_and_reference_layout():
@@ -53,15 +62,26 @@ def inputs64(cfg: ModelConfig, batch: int = 2, text: int = 8, side: int = 8):
     g = torch.Generator().manual_seed(1)
     tokens = (side // 2) ** 2
     ids = torch.stack([torch.zeros(tokens), torch.arange(tokens) // (side // 2), torch.arange(tokens) % (side // 2)], 1)
-    return dict(img=torch.randn(batch, tokens, cfg.in_channels, generator=g, dtype=torch.float64), img_ids=ids,
-                txt=torch.randn(batch, text, cfg.joint_attention_dim, generator=g, dtype=torch.float64),
-                txt_ids=torch.zeros(text, 3), timesteps=torch.rand(batch, generator=g, dtype=torch.float64),
-                y=torch.randn(batch, cfg.pooled_projection_dim, generator=g, dtype=torch.float64))
+    return dict(
+        img=torch.randn(batch, tokens, cfg.in_channels, generator=g, dtype=torch.float64),
+        img_ids=ids,
+        txt=torch.randn(batch, text, cfg.joint_attention_dim, generator=g, dtype=torch.float64),
+        txt_ids=torch.zeros(text, 3),
+        timesteps=torch.rand(batch, generator=g, dtype=torch.float64),
+        y=torch.randn(batch, cfg.pooled_projection_dim, generator=g, dtype=torch.float64),
+    )
 
 
 def diffusers_forward(model, kw):
-    return model(hidden_states=kw["img"], encoder_hidden_states=kw["txt"], pooled_projections=kw["y"],
-                 timestep=kw["timesteps"], img_ids=kw["img_ids"], txt_ids=kw["txt_ids"], return_dict=False)[0]
+    return model(
+        hidden_states=kw["img"],
+        encoder_hidden_states=kw["txt"],
+        pooled_projections=kw["y"],
+        timestep=kw["timesteps"],
+        img_ids=kw["img_ids"],
+        txt_ids=kw["txt_ids"],
+        return_dict=False,
+    )[0]
 
 
 def ours_from(state: dict, cfg: ModelConfig) -> nn.Module:
@@ -106,8 +126,9 @@ def test_rope_rotates_interleaved_pairs():
     angle = torch.tensor([[0.5, 0.5, 1.0, 1.0]])
     out = apply_rope(x, angle.cos(), angle.sin())
     # pair (1, 0) rotated by 0.5 rad, pair (0, 2) by 1 rad
-    expected = torch.tensor([0.5, 0.5, 1.0, 1.0]).cos() * torch.tensor([1.0, 0.0, 0.0, 2.0]) + \
-        torch.tensor([0.5, 0.5, 1.0, 1.0]).sin() * torch.tensor([-0.0, 1.0, -2.0, 0.0])
+    expected = torch.tensor([0.5, 0.5, 1.0, 1.0]).cos() * torch.tensor([1.0, 0.0, 0.0, 2.0]) + torch.tensor(
+        [0.5, 0.5, 1.0, 1.0]
+    ).sin() * torch.tensor([-0.0, 1.0, -2.0, 0.0])
     torch.testing.assert_close(out.flatten(), expected)
 
 
@@ -125,15 +146,26 @@ def test_init_rules_follow_the_reference():
     assert rule("single_blocks.3.linear2") == ("xavier", math.sqrt(6 / (5 * h + h)))
     assert rule("double_blocks.0.img_mlp.0") == ("xavier", math.sqrt(6 / (h + 4 * h)))
     assert rule("txt_in") == ("xavier", math.sqrt(6 / (4096 + h)))
-    for zero in ("double_blocks.5.img_mod.lin", "double_blocks.5.txt_mod.lin", "single_blocks.0.modulation.lin",
-                 "final_layer.adaLN_modulation.1", "final_layer.linear"):
+    for zero in (
+        "double_blocks.5.img_mod.lin",
+        "double_blocks.5.txt_mod.lin",
+        "single_blocks.0.modulation.lin",
+        "final_layer.adaLN_modulation.1",
+        "final_layer.linear",
+    ):
         assert rule(zero)[0] == "zero", zero
     for emb in ("time_in.in_layer", "time_in.out_layer", "vector_in.in_layer", "vector_in.out_layer"):
         assert rule(emb) == ("normal", 0.02)
 
 
-MID = ModelConfig(flavor="mid", num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=4,
-                  axes_dims_rope=[16, 24, 24])
+MID = ModelConfig(
+    flavor="mid",
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=64,
+    num_attention_heads=4,
+    axes_dims_rope=[16, 24, 24],
+)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +195,7 @@ def test_init_statistics_per_layer_kind(mid_model):
             assert scale == math.sqrt(6 / (fan_in + fan_out))
             assert w.abs().max().item() <= scale, name
             # uniform(-a, a) has variance a^2/3; 2 % is several standard errors for >= 16k draws
-            assert w.var().item() == pytest.approx(scale ** 2 / 3, rel=0.05 if w.numel() < 16384 else 0.02), name
+            assert w.var().item() == pytest.approx(scale**2 / 3, rel=0.05 if w.numel() < 16384 else 0.02), name
     assert kinds == {"zero", "normal", "xavier"}
 
 
@@ -176,8 +208,14 @@ def test_init_is_reproducible_and_follows_the_seed(mid_model):
 
 
 def test_zero_init_model_predicts_zero_velocity(mid_model):
-    out = mid_model(img=torch.randn(2, 16, 64), img_ids=torch.zeros(16, 3), txt=torch.randn(2, 8, 4096),
-                    txt_ids=torch.zeros(8, 3), timesteps=torch.rand(2), y=torch.randn(2, 768))
+    out = mid_model(
+        img=torch.randn(2, 16, 64),
+        img_ids=torch.zeros(16, 3),
+        txt=torch.randn(2, 8, 4096),
+        txt_ids=torch.zeros(8, 3),
+        timesteps=torch.rand(2),
+        y=torch.randn(2, 768),
+    )
     assert out.shape == (2, 16, 64) and torch.all(out == 0)
 
 
@@ -189,8 +227,12 @@ def test_load_pretrained_reads_diffusers_folders_and_bfl_files(tmp_path):
     reference.save_pretrained(str(tmp_path / "pipeline" / "transformer"))
     save_file({k: v.contiguous() for k, v in ours.items()}, str(tmp_path / "flux1-tiny.safetensors"))
     save_diffusers(ours, TINY, tmp_path / "exported")
-    for source in (tmp_path / "pipeline", tmp_path / "pipeline" / "transformer", tmp_path / "flux1-tiny.safetensors",
-                   tmp_path / "exported"):
+    for source in (
+        tmp_path / "pipeline",
+        tmp_path / "pipeline" / "transformer",
+        tmp_path / "flux1-tiny.safetensors",
+        tmp_path / "exported",
+    ):
         loaded = load_pretrained(source, TINY)
         assert loaded.keys() == ours.keys(), source
         assert all(torch.equal(loaded[k], ours[k]) for k in ours), source

@@ -1,4 +1,5 @@
 """Data parallelism on the CPU (gloo, FSDP2): 2 ranks with half the batch each reproduce 1 rank's losses."""
+
 import os
 import subprocess
 import sys
@@ -9,16 +10,38 @@ from flux_train.config import ParallelConfig
 from flux_train.parallel import mesh_shape
 from run_outputs import column, metrics
 
-ARGS = ["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", "eval.every_steps=3",
-        "--set", "train.max_steps=6", "--set", "train.micro_batch_size=4", "--set", "logging.log_every=1",
-        "--set", "train.caption_dropout_prob=0.25", "--set", "eval.target=0.0"]
+ARGS = [
+    "--config",
+    "configs/debug.yaml",
+    "--set",
+    "data.source=synthetic",
+    "--set",
+    "eval.every_steps=3",
+    "--set",
+    "train.max_steps=6",
+    "--set",
+    "train.micro_batch_size=4",
+    "--set",
+    "logging.log_every=1",
+    "--set",
+    "train.caption_dropout_prob=0.25",
+    "--set",
+    "eval.target=0.0",
+]
 
 
 def run(out, nproc, extra=()):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
-        if nproc > 1 else [sys.executable]
-    proc = subprocess.run([*launcher, "-m", "flux_train.train", *ARGS, "--set", f"logging.out_dir={out}", *extra],
-                          capture_output=True, text=True, timeout=600)
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc > 1
+        else [sys.executable]
+    )
+    proc = subprocess.run(
+        [*launcher, "-m", "flux_train.train", *ARGS, "--set", f"logging.out_dir={out}", *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -30,12 +53,16 @@ def one_rank(tmp_path_factory):
 
 
 # the random draws follow the global micro-batch index, so every run splits GBS 8 into the same micro-batches of 2
-@pytest.mark.parametrize("nproc,extra", [
-    (2, ["--set", "parallel.dp_replicate=2"]),  # HSDP: 2 replicas of 1 shard, accumulation 2
-    (1, ["--set", "parallel.strategy=ddp"]),  # flat buffers, clipping folded into the AdamW kernel, accumulation 4
-    (2, ["--set", "parallel.strategy=ddp"]),  # + one reduce-scatter / all-gather per step after 2 micro-batches
-    (2, ["--set", "parallel.strategy=ddp", "--set", "parallel.dp_replicate=2"]),  # + the shard all-reduce
-], ids=["fsdp-hsdp", "ddp-1", "ddp-2", "ddp-hsdp"])
+@pytest.mark.parametrize(
+    "nproc,extra",
+    [
+        (2, ["--set", "parallel.dp_replicate=2"]),  # HSDP: 2 replicas of 1 shard, accumulation 2
+        (1, ["--set", "parallel.strategy=ddp"]),  # flat buffers, clipping folded into the AdamW kernel, accumulation 4
+        (2, ["--set", "parallel.strategy=ddp"]),  # + one reduce-scatter / all-gather per step after 2 micro-batches
+        (2, ["--set", "parallel.strategy=ddp", "--set", "parallel.dp_replicate=2"]),  # + the shard all-reduce
+    ],
+    ids=["fsdp-hsdp", "ddp-1", "ddp-2", "ddp-hsdp"],
+)
 @pytest.mark.slow
 def test_layouts_and_rank_counts_match_one_rank(tmp_path, one_rank, nproc, extra):
     """fp32 compute: every layout computes the same step, so losses, grad norms and val losses agree to fp32
@@ -66,20 +93,26 @@ def test_bf16_ddp_step_tracks_the_fp32_reduce_fsdp_step(tmp_path):
     assert column(fsdp, "loss")[-1] < column(fsdp, "loss")[0]
 
 
-@pytest.mark.parametrize("world,local,shard,replicate,expected", [
-    (16, 8, -1, -1, (2, 8)),   # default: shard within a node, replicate across nodes
-    (8, 8, -1, -1, (1, 8)),
-    (16, 8, 16, -1, (1, 16)),  # plain FSDP over everything
-    (16, 8, -1, 4, (4, 4)),
-])
+@pytest.mark.parametrize(
+    "world,local,shard,replicate,expected",
+    [
+        (16, 8, -1, -1, (2, 8)),  # default: shard within a node, replicate across nodes
+        (8, 8, -1, -1, (1, 8)),
+        (16, 8, 16, -1, (1, 16)),  # plain FSDP over everything
+        (16, 8, -1, 4, (4, 4)),
+    ],
+)
 def test_mesh_shape(world, local, shard, replicate, expected):
     assert mesh_shape(ParallelConfig(dp_shard=shard, dp_replicate=replicate), world, local) == expected
 
 
-@pytest.mark.parametrize("shard,replicate,world,message", [
-    (3, -1, 8, r"parallel.dp_shard=3 does not divide the 8 ranks of this run; choose a divisor of 8 or -1"),
-    (2, 2, 8, r"parallel.dp_replicate 2 x parallel.dp_shard 2 != the 8 ranks of this run; set one of them to -1"),
-])
+@pytest.mark.parametrize(
+    "shard,replicate,world,message",
+    [
+        (3, -1, 8, r"parallel.dp_shard=3 does not divide the 8 ranks of this run; choose a divisor of 8 or -1"),
+        (2, 2, 8, r"parallel.dp_replicate 2 x parallel.dp_shard 2 != the 8 ranks of this run; set one of them to -1"),
+    ],
+)
 def test_mesh_shape_rejects_meshes_that_do_not_fit(shard, replicate, world, message):
     from flux_train.config import ConfigError
 
@@ -104,11 +137,13 @@ def test_compiled_blocks_keep_checkpoint_names_and_initial_weights(strategy):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = compile_blocks(build_model(cfg.model), "block")  # torch.compile wraps lazily: nothing compiles
-        training = build_training(model, build_mesh(cfg.parallel, 1, 1, "cpu"), cfg.parallel, cfg.train,
-                                  torch.float32, torch.device("cpu"))
+        training = build_training(
+            model, build_mesh(cfg.parallel, 1, 1, "cpu"), cfg.parallel, cfg.train, torch.float32, torch.device("cpu")
+        )
         training.assign_weights(reference_init(model, 5, "cpu"))
-        saved = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
-                 for k, v in training.state_dict()["model"].items()}
+        saved = {
+            k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in training.state_dict()["model"].items()
+        }
         assert set(saved) == set(plain) and not any("_orig_mod" in k for k in saved)
         assert all(torch.equal(plain[k], saved[k]) for k in plain)
     finally:
@@ -126,11 +161,30 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
     from processes import pid_with_env
 
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "flux_train.train", *ARGS, "--set", "train.max_steps=100000",
-                             "--set", "eval.enabled=false", "--set", "parallel.timeout_s=15",
-                             "--set", f"logging.out_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "FLUX_TEST_RUN": str(out)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "flux_train.train",
+            *ARGS,
+            "--set",
+            "train.max_steps=100000",
+            "--set",
+            "eval.enabled=false",
+            "--set",
+            "parallel.timeout_s=15",
+            "--set",
+            f"logging.out_dir={out}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "FLUX_TEST_RUN": str(out)},
+    )
     try:
         deadline = time.time() + 300
         while time.time() < deadline and len(metrics(out)) < 3:

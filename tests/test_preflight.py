@@ -1,4 +1,5 @@
 """Pre-flight refuses a node before the run's clock starts, naming the host and the fix."""
+
 import socket
 import subprocess
 import sys
@@ -10,10 +11,27 @@ from flux_train.config import load_config
 
 
 def train(out, *extra):
-    return subprocess.run([sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml",
-                           "--set", f"logging.out_dir={out}", "--set", "preflight.enabled=true",
-                           "--set", "train.max_steps=2", "--set", "eval.enabled=false", *extra],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flux_train.train",
+            "--config",
+            "configs/debug.yaml",
+            "--set",
+            f"logging.out_dir={out}",
+            "--set",
+            "preflight.enabled=true",
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            "eval.enabled=false",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
@@ -37,8 +55,15 @@ def test_a_fit_node_passes_and_trains(tmp_path):
 def test_node_checks_name_disk_and_dataset_problems(tmp_path):
     import torch
 
-    cfg = load_config("configs/debug.yaml", [f"logging.out_dir={tmp_path}", "preflight.min_free_disk_gb=1e9",
-                                             "data.source=energon", f"data.path={tmp_path}"])
+    cfg = load_config(
+        "configs/debug.yaml",
+        [
+            f"logging.out_dir={tmp_path}",
+            "preflight.min_free_disk_gb=1e9",
+            "data.source=energon",
+            f"data.path={tmp_path}",
+        ],
+    )
     (tmp_path / ".nv-meta").mkdir()
     (tmp_path / ".nv-meta" / "dataset.yaml").write_text("x")
     (tmp_path / "train").mkdir()

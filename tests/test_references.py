@@ -1,5 +1,6 @@
 """Every reference in the repository resolves inside it: relative links, file paths named in code, configs and
 docs, and `README "Section"` / `docs/x.md ("Section")` references; nothing points at documents outside it."""
+
 import re
 import subprocess
 from pathlib import Path
@@ -43,7 +44,7 @@ def test_references_resolve_inside_the_repository(path):
     # tests name missing files on purpose (bad inputs); everywhere else a named file must exist
     for m in PATH.finditer("" if path.parent.name == "tests" else text):
         name = m.group(1).rstrip(".")
-        if text[m.end():m.end() + 1] in "*{<$" or name.endswith("/"):
+        if text[m.end() : m.end() + 1] in "*{<$" or name.endswith("/"):
             continue  # a pattern or a placeholder, not a file
         if not (ROOT / name).exists():
             problems.append(f"names {name}, which does not exist")

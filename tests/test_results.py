@@ -1,5 +1,6 @@
 """`python -m flux_train.results` on real logs: short debug trainings, and copies of them with rewritten
 run_stop times, batch size or samples counts (to test the score arithmetic and the RCP verdicts exactly)."""
+
 import json
 import subprocess
 import sys
@@ -102,11 +103,14 @@ def test_score_drops_fastest_and_slowest_of_ten(runs, tmp_path, capsys):
 
 
 def test_a_non_converged_run_is_dropped_as_the_slowest(runs, tmp_path):
-    ok = [results.summarize_run(f"r{i}", rewrite(runs / "run_1" / "mllog.log", tmp_path / f"r{i}.txt", retimed(m)))
-          for i, m in enumerate(MINUTES[:9])]
+    ok = [
+        results.summarize_run(f"r{i}", rewrite(runs / "run_1" / "mllog.log", tmp_path / f"r{i}.txt", retimed(m)))
+        for i, m in enumerate(MINUTES[:9])
+    ]
     # the aborted run is the fastest by the clock; counting it would give mean(1..8) = 4.5
-    aborted = results.summarize_run("fast_abort", rewrite(runs / "aborted" / "mllog.log", tmp_path / "a.txt",
-                                                          retimed(0.5)))
+    aborted = results.summarize_run(
+        "fast_abort", rewrite(runs / "aborted" / "mllog.log", tmp_path / "a.txt", retimed(0.5))
+    )
     score = results.mlperf_score(ok + [aborted])
     assert score.minutes == pytest.approx(5.5)
     assert "fast_abort" in score.note
@@ -146,8 +150,7 @@ def test_compliance_passes_a_real_log_and_names_what_fails(runs, tmp_path):
     good = results.check_compliance(log)
     assert good.passed and good.messages == [] and good.failed_keys == []
     missing = rewrite(log, tmp_path / "missing.log", lambda r: None if r["key"] == "opt_adamw_beta_1" else r)
-    wrong = rewrite(log, tmp_path / "wrong.log",
-                    lambda r: {**r, "value": 0.8} if r["key"] == "opt_adamw_beta_1" else r)
+    wrong = rewrite(log, tmp_path / "wrong.log", lambda r: {**r, "value": 0.8} if r["key"] == "opt_adamw_beta_1" else r)
     for bad in (missing, wrong):
         verdict = results.check_compliance(bad)
         assert not verdict.passed
@@ -158,14 +161,28 @@ def test_compliance_passes_a_real_log_and_names_what_fails(runs, tmp_path):
 
 
 def test_cli_exits_non_zero_naming_the_failing_and_unreadable_logs(runs, tmp_path):
-    missing = rewrite(runs / "run_1" / "mllog.log", tmp_path / "missing.log",
-                      lambda r: None if r["key"] == "opt_adamw_beta_1" else r)
+    missing = rewrite(
+        runs / "run_1" / "mllog.log", tmp_path / "missing.log", lambda r: None if r["key"] == "opt_adamw_beta_1" else r
+    )
     garbage = tmp_path / "garbage.log"
     garbage.write_text("not an MLLOG line\n")
     empty = tmp_path / "empty_dir"
     empty.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "flux_train.results", str(runs / "run_1"), str(missing),
-                           str(garbage), str(empty), "--out", str(tmp_path)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flux_train.results",
+            str(runs / "run_1"),
+            str(missing),
+            str(garbage),
+            str(empty),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1
     errors = proc.stderr.splitlines()
     assert len(errors) == 3
@@ -173,8 +190,11 @@ def test_cli_exits_non_zero_naming_the_failing_and_unreadable_logs(runs, tmp_pat
     assert any(str(garbage) in e and "no MLLOG lines" in e for e in errors)
     assert any(str(empty) in e and "unreadable" in e for e in errors)
     assert "FAILED: opt_adamw_beta_1" in proc.stdout
-    ok = subprocess.run([sys.executable, "-m", "flux_train.results", str(runs / "run_1"), "--out", str(tmp_path)],
-                        capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "flux_train.results", str(runs / "run_1"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "passed" in ok.stdout
 

@@ -1,6 +1,7 @@
 """Samples from trained weights through diffusers' FluxPipeline (the schnell sampler), with tiny random VAE/T5/CLIP
 (tests/tiny_models.py): the command writes a PNG grid of the asked size from a checkpoint, bad inputs end in one
 line, and the trainer draws a grid per eval after the eval's MLLOG events when eval.sample_prompts is set."""
+
 import json
 import subprocess
 import sys
@@ -25,9 +26,25 @@ PROMPTS = ["a photo of a cat", "a red dog on the green", "blue"]
 def trained(tmp_path_factory):
     """A flux-debug run of 2 steps on the synthetic set, checkpointed at its end (in-process: no energon workers)."""
     out = tmp_path_factory.mktemp("run")
-    assert train.main(["--config", "configs/debug.yaml", "--set", "data.source=synthetic",
-                       "--set", "eval.enabled=false", "--set", f"logging.out_dir={out}", "--set", "train.max_steps=2",
-                       "--set", "checkpoint.every_steps=2"]) == 0
+    assert (
+        train.main(
+            [
+                "--config",
+                "configs/debug.yaml",
+                "--set",
+                "data.source=synthetic",
+                "--set",
+                "eval.enabled=false",
+                "--set",
+                f"logging.out_dir={out}",
+                "--set",
+                "train.max_steps=2",
+                "--set",
+                "checkpoint.every_steps=2",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -39,21 +56,50 @@ def prompts(tmp_path):
 
 
 def model_args(models, vae=None):
-    return ["--vae", str(vae or models / "vae"), "--t5", str(models / "t5"),
-            "--t5-tokenizer", str(models / "tokenizer"), "--clip", str(models / "clip"),
-            "--clip-tokenizer", str(models / "tokenizer"), "--device", "cpu"]
+    return [
+        "--vae",
+        str(vae or models / "vae"),
+        "--t5",
+        str(models / "t5"),
+        "--t5-tokenizer",
+        str(models / "tokenizer"),
+        "--clip",
+        str(models / "clip"),
+        "--clip-tokenizer",
+        str(models / "tokenizer"),
+        "--device",
+        "cpu",
+    ]
 
 
 def cells(grid: Image.Image, size: int, columns: int) -> list[np.ndarray]:
     array = np.asarray(grid).astype(int)
-    return [array[r * size:(r + 1) * size, c * size:(c + 1) * size] for r in range(grid.height // size)
-            for c in range(columns)]
+    return [
+        array[r * size : (r + 1) * size, c * size : (c + 1) * size]
+        for r in range(grid.height // size)
+        for c in range(columns)
+    ]
 
 
 def test_sample_command_writes_a_grid_of_the_asked_size(trained, tiny_models, prompts, tmp_path, capsys):
     out, exported = tmp_path / "grid.png", tmp_path / "exported"
-    rc = sample.main(["--checkpoint", str(trained / "checkpoints"), "--prompts", str(prompts), "--out", str(out),
-                      "--size", "32", "--columns", "2", "--exported", str(exported), *model_args(tiny_models)])
+    rc = sample.main(
+        [
+            "--checkpoint",
+            str(trained / "checkpoints"),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--size",
+            "32",
+            "--columns",
+            "2",
+            "--exported",
+            str(exported),
+            *model_args(tiny_models),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     printed = capsys.readouterr()
     assert f"wrote {out}: 3 images of 32x32 from {trained / 'checkpoints' / 'step_00000002'}" in printed.out
@@ -83,14 +129,20 @@ def test_bad_inputs_end_in_one_line(trained, tiny_models, prompts, tmp_path, cap
     (vae / weights).symlink_to(tiny_models / "vae" / weights)
     base = ["--prompts", str(prompts), "--out", str(tmp_path / "grid.png")]
     cases = [
-        (["--checkpoint", str(trained / "checkpoints"), *model_args(tiny_models, vae)],
-         f"error: the VAE in {vae} has scaling_factor 0.18215, shift_factor None; the model was trained with "
-         "train.latent_scale 0.3611, latent_shift 0.1159: give FLUX.1-schnell's vae/"),
-        (["--checkpoint", str(tmp_path), *model_args(tiny_models)],
-         f"error: --checkpoint {tmp_path}: no complete checkpoint there (a step_XXXXXXXX folder with progress.pt, "
-         "or the folder holding them)"),
-        (["--checkpoint", str(trained / "checkpoints"), "--size", "40", *model_args(tiny_models)],
-         "error: --size 40: must be a positive multiple of 16 (VAE 8x, then 2x2 patches)"),
+        (
+            ["--checkpoint", str(trained / "checkpoints"), *model_args(tiny_models, vae)],
+            f"error: the VAE in {vae} has scaling_factor 0.18215, shift_factor None; the model was trained with "
+            "train.latent_scale 0.3611, latent_shift 0.1159: give FLUX.1-schnell's vae/",
+        ),
+        (
+            ["--checkpoint", str(tmp_path), *model_args(tiny_models)],
+            f"error: --checkpoint {tmp_path}: no complete checkpoint there (a step_XXXXXXXX folder with progress.pt, "
+            "or the folder holding them)",
+        ),
+        (
+            ["--checkpoint", str(trained / "checkpoints"), "--size", "40", *model_args(tiny_models)],
+            "error: --size 40: must be a positive multiple of 16 (VAE 8x, then 2x2 patches)",
+        ),
     ]
     for args, message in cases:
         assert sample.main([*base, *args]) == 2
@@ -103,16 +155,52 @@ def test_trainer_draws_the_grid_the_command_draws_after_each_eval_s_mllog_events
     the same pixels as the command draws from the checkpoint of that step."""
     flux = tmp_path / "FLUX.1-schnell"  # the pipeline folder layout eval.sample_weights names
     flux.mkdir()
-    for name, source in (("vae", "vae"), ("text_encoder_2", "t5"), ("tokenizer_2", "tokenizer"),
-                         ("text_encoder", "clip"), ("tokenizer", "tokenizer")):
+    for name, source in (
+        ("vae", "vae"),
+        ("text_encoder_2", "t5"),
+        ("tokenizer_2", "tokenizer"),
+        ("text_encoder", "clip"),
+        ("tokenizer", "tokenizer"),
+    ):
         (flux / name).symlink_to(tiny_models / source)
     out = tmp_path / "run"
-    args = ["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", f"logging.out_dir={out}",
-            "--set", "train.max_steps=4", "--set", "train.micro_batch_size=4", "--set", "eval.every_steps=2",
-            "--set", "logging.log_every=2", "--set", "checkpoint.every_steps=2",
-            "--set", f"eval.sample_prompts={prompts}", "--set", f"eval.sample_weights={flux}"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "flux_train.train", *args], capture_output=True, text=True, timeout=600)
+    args = [
+        "--config",
+        "configs/debug.yaml",
+        "--set",
+        "data.source=synthetic",
+        "--set",
+        f"logging.out_dir={out}",
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.micro_batch_size=4",
+        "--set",
+        "eval.every_steps=2",
+        "--set",
+        "logging.log_every=2",
+        "--set",
+        "checkpoint.every_steps=2",
+        "--set",
+        f"eval.sample_prompts={prompts}",
+        "--set",
+        f"eval.sample_weights={flux}",
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "flux_train.train",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     grids = sorted((out / "samples").iterdir())
     assert [g.name for g in grids] == ["step_00000002.png", "step_00000004.png"]
@@ -124,8 +212,20 @@ def test_trainer_draws_the_grid_the_command_draws_after_each_eval_s_mllog_events
     assert eval_stop <= grids[0].stat().st_mtime_ns / 1e6 <= block_start + 1  # between the eval and the next block
 
     drawn = tmp_path / "drawn.png"
-    assert sample.main(["--checkpoint", str(out / "checkpoints" / "step_00000004"), "--prompts", str(prompts),
-                        "--out", str(drawn), *model_args(tiny_models)]) == 0
+    assert (
+        sample.main(
+            [
+                "--checkpoint",
+                str(out / "checkpoints" / "step_00000004"),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(drawn),
+                *model_args(tiny_models),
+            ]
+        )
+        == 0
+    )
     pixels = [np.asarray(Image.open(path)).astype(int) for path in (drawn, *grids)]
     same_step, earlier_step = np.abs(pixels[0] - pixels[2]), np.abs(pixels[0] - pixels[1])
     assert same_step.max() <= 1 and same_step.mean() < 0.01  # float rounding of other thread counts at most

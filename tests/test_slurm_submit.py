@@ -5,6 +5,7 @@ plain sbatch script with the project in a virtualenv. Then operations, without c
 named within the collective timeout, a non-finite step stopping the run there, a campaign of three scored runs,
 and the pre-flight refusing a node that lacks the dataset. CPU only: the "GPUs" are gloo worker processes and the
 GPU gres files are fake."""
+
 from __future__ import annotations
 
 import contextlib
@@ -39,9 +40,26 @@ def job_env(env: dict | None = None) -> dict:
 
 def submit(tmp_path: Path, *args: str, env: dict | None = None, config: str = SYSTEM) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "flux_train.submit", "--config", config, "--nodes", "2",
-         "--set", f"logging.out_dir={tmp_path}/out", "--set", f"slurm.folder={tmp_path}/submitit/%j", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env=job_env(env))
+        [
+            sys.executable,
+            "-m",
+            "flux_train.submit",
+            "--config",
+            config,
+            "--nodes",
+            "2",
+            "--set",
+            f"logging.out_dir={tmp_path}/out",
+            "--set",
+            f"slurm.folder={tmp_path}/submitit/%j",
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=job_env(env),
+    )
     assert out.returncode == 0, out.stderr
     job = re.search(r"submitted job (?:array )?(\d+)", out.stdout).group(1)
     first = f"{job}_0" if "job array" in out.stdout else job
@@ -55,9 +73,14 @@ def mllog(tmp_path: Path) -> list[dict]:
 
 def node_logs(tmp_path: Path, job: str) -> dict[int, str]:
     folder = tmp_path / "submitit" / job
-    return {node: "".join((folder / f"{job}_{node}_log.{ext}").read_text(errors="replace")
-                          for ext in ("out", "err") if (folder / f"{job}_{node}_log.{ext}").is_file())
-            for node in (0, 1)}
+    return {
+        node: "".join(
+            (folder / f"{job}_{node}_log.{ext}").read_text(errors="replace")
+            for ext in ("out", "err")
+            if (folder / f"{job}_{node}_log.{ext}").is_file()
+        )
+        for node in (0, 1)
+    }
 
 
 def wait_run_start(cluster, job: str, tmp_path: Path) -> None:
@@ -75,8 +98,9 @@ def namespace(pid: int, kind: str) -> str:
 def is_agent(pid: int) -> bool:
     """submitit's entry point in Python (not the engine's client, whose arguments name it too)."""
     try:
-        return (b"submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_bytes()
-                and Path(f"/proc/{pid}/comm").read_text().startswith("python"))
+        return b"submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_bytes() and Path(
+            f"/proc/{pid}/comm"
+        ).read_text().startswith("python")
     except OSError:  # it has just exited
         return False
 
@@ -117,8 +141,14 @@ def test_two_nodes_train_to_the_end(slurm_cluster, engine, tmp_path):
 
 
 STEPS, GBS = 30, 4
-PREEMPTED_RUN = ["--set", f"train.global_batch_size={GBS}", "--set", f"train.max_steps={STEPS}",
-                 "--set", "eval.every_steps=15"]
+PREEMPTED_RUN = [
+    "--set",
+    f"train.global_batch_size={GBS}",
+    "--set",
+    f"train.max_steps={STEPS}",
+    "--set",
+    "eval.every_steps=15",
+]
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +156,28 @@ def uninterrupted_losses(tmp_path_factory) -> dict[int, float]:
     """The preemption test's run without a preemption: the same 2 ranks, on one node (--local, no container)."""
     out = tmp_path_factory.mktemp("uninterrupted")
     done = subprocess.run(
-        [sys.executable, "-m", "flux_train.submit", "--local", "--config", SYSTEM, "--nodes", "1",
-         "--gpus-per-node", "2", *PREEMPTED_RUN, "--set", f"logging.out_dir={out}",
-         "--set", f"slurm.folder={out}/sub/%j"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "flux_train.submit",
+            "--local",
+            "--config",
+            SYSTEM,
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "2",
+            *PREEMPTED_RUN,
+            "--set",
+            f"logging.out_dir={out}",
+            "--set",
+            f"slurm.folder={out}/sub/%j",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {m["step"]: m["loss"] for m in metrics(out) if "loss" in m}
 
@@ -166,8 +214,15 @@ def test_preemption_requeues_and_resumes_exactly(slurm_cluster, engine, tmp_path
 def test_dead_worker_ends_the_job_naming_its_rank(slurm_cluster, engine, tmp_path):
     """A worker killed on node 1 ends both nodes quickly, and node 1 names it: rank, host, and its pid as the
     agent sees it (in podman's pid namespace)."""
-    job = submit(tmp_path, *engine.args(tmp_path), "--set", "train.max_steps=100000", "--set", "eval.enabled=false",
-                 env=engine.env())
+    job = submit(
+        tmp_path,
+        *engine.args(tmp_path),
+        "--set",
+        "train.max_steps=100000",
+        "--set",
+        "eval.enabled=false",
+        env=engine.env(),
+    )
     wait_run_start(slurm_cluster, job, tmp_path)
     pid = wait_for(lambda: pid_with_env(TORCHELASTIC_RUN_ID=f"flux-{job}-0", RANK=3), 10, "worker rank 3")
     status = Path(f"/proc/{pid}/status").read_text()
@@ -185,19 +240,22 @@ def test_dead_worker_ends_the_job_naming_its_rank(slurm_cluster, engine, tmp_pat
 @pytest.mark.parametrize("engine", ["podman"], indirect=True)
 def test_each_node_checks_its_container_first(slurm_cluster, engine, tmp_path):
     """An image that is not on the nodes: every node says so, naming itself and the fix, and the job ends."""
-    job = submit(tmp_path, *engine.args(tmp_path), "--container-image", "localhost/flux-train-ci:nowhere",
-                 env=engine.env())
+    job = submit(
+        tmp_path, *engine.args(tmp_path), "--container-image", "localhost/flux-train-ci:nowhere", env=engine.env()
+    )
     info = slurm_cluster.wait_job(job, timeout=60)
     logs = node_logs(tmp_path, job)
     assert info["JobState"] == "FAILED", logs
     for node in ("n1", "n2"):  # the check step's output is in the batch script's log: node 0's
-        assert (f"flux-train: error: node {node}: image localhost/flux-train-ci:nowhere is not in the podman image "
-                f"store here: build or load it on every node (podman load -i FILE), or fix container.image") in logs[0]
+        assert (
+            f"flux-train: error: node {node}: image localhost/flux-train-ci:nowhere is not in the podman image "
+            f"store here: build or load it on every node (podman load -i FILE), or fix container.image"
+        ) in logs[0]
     assert "[launch node" not in logs[0] + logs[1]  # no agent started
 
 
 NO_PYTHON = {"FLUX_PYTHON": "", "VIRTUAL_ENV": "", "CONDA_PREFIX": ""}  # what the script would pick
-DECOY_PYTHON = "#!/bin/sh\necho decoy >> \"$(dirname \"$0\")/called\"\nexit 1\n"
+DECOY_PYTHON = '#!/bin/sh\necho decoy >> "$(dirname "$0")/called"\nexit 1\n'
 
 
 @pytest.fixture
@@ -212,10 +270,26 @@ def decoy_path(tmp_path) -> str:
 
 def sbatch(cluster, tmp_path: Path, env: dict) -> tuple[dict, str]:
     out = cluster.run(
-        "sbatch", "--parsable", "--nodes=2", "--time=10", f"--output={tmp_path}/%j.out", "slurm/flux.sbatch",
-        "--config", SYSTEM, "--set", "slurm.gpus_per_node=1", "--set", "train.global_batch_size=4",
-        "--set", "train.max_steps=4", "--set", "eval.enabled=false", "--set", f"logging.out_dir={tmp_path}/out",
-        env=env)
+        "sbatch",
+        "--parsable",
+        "--nodes=2",
+        "--time=10",
+        f"--output={tmp_path}/%j.out",
+        "slurm/flux.sbatch",
+        "--config",
+        SYSTEM,
+        "--set",
+        "slurm.gpus_per_node=1",
+        "--set",
+        "train.global_batch_size=4",
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "eval.enabled=false",
+        "--set",
+        f"logging.out_dir={tmp_path}/out",
+        env=env,
+    )
     job = out.stdout.strip().split(";")[0]
     info = cluster.wait_job(job, timeout=180)
     return info, (tmp_path / f"{job}.out").read_text()
@@ -234,8 +308,10 @@ def test_plain_sbatch_runs_the_virtualenvs_python(slurm_cluster, tmp_path, decoy
 def test_plain_sbatch_without_the_projects_python_says_so(slurm_cluster, tmp_path, decoy_path):
     info, log = sbatch(slurm_cluster, tmp_path, {**NO_PYTHON, "PATH": decoy_path})
     assert info["JobState"] == "FAILED"
-    assert ("flux-train: error: python3 cannot import torch and flux_train: submit with the virtualenv the project is "
-            "installed in active, or set FLUX_PYTHON to its interpreter") in log
+    assert (
+        "flux-train: error: python3 cannot import torch and flux_train: submit with the virtualenv the project is "
+        "installed in active, or set FLUX_PYTHON to its interpreter"
+    ) in log
 
 
 @pytest.fixture(scope="session")
@@ -259,8 +335,15 @@ def node_line(logs: dict[int, str], pattern: str) -> str:
 
 def test_a_stopped_worker_ends_the_job_naming_its_rank_and_node(slurm_cluster, tmp_path):
     timeout_s = 20
-    job = submit(tmp_path, "--set", "train.max_steps=100000", "--set", "eval.enabled=false",
-                 "--set", f"parallel.timeout_s={timeout_s}")
+    job = submit(
+        tmp_path,
+        "--set",
+        "train.max_steps=100000",
+        "--set",
+        "eval.enabled=false",
+        "--set",
+        f"parallel.timeout_s={timeout_s}",
+    )
     wait_run_start(slurm_cluster, job, tmp_path)
     pid = wait_for(lambda: pid_with_env(TORCHELASTIC_RUN_ID=f"flux-{job}-0", RANK=3), 10, "worker rank 3")
     os.kill(pid, signal.SIGSTOP)  # alive, silent, holding every collective
@@ -278,8 +361,19 @@ def test_a_stopped_worker_ends_the_job_naming_its_rank_and_node(slurm_cluster, t
 
 
 def test_a_non_finite_step_stops_the_run_at_that_step_keeping_the_last_checkpoint(slurm_cluster, tmp_path):
-    job = submit(tmp_path, "--set", "train.max_steps=20", "--set", "eval.enabled=false", "--set", "logging.log_every=1",
-                 "--set", "checkpoint.every_steps=2", "--set", "train.inject_nan_at_step=5")
+    job = submit(
+        tmp_path,
+        "--set",
+        "train.max_steps=20",
+        "--set",
+        "eval.enabled=false",
+        "--set",
+        "logging.log_every=1",
+        "--set",
+        "checkpoint.every_steps=2",
+        "--set",
+        "train.inject_nan_at_step=5",
+    )
     info = slurm_cluster.wait_job(job, timeout=180)
     logs = node_logs(tmp_path, job)
     assert info["JobState"] == "FAILED", logs  # the workers exit with 3: a diverged run is no success
@@ -293,16 +387,31 @@ def test_a_non_finite_step_stops_the_run_at_that_step_keeping_the_last_checkpoin
 def test_a_campaign_of_three_runs_trains_each_and_is_scored(slurm_cluster, tmp_path):
     """--runs 3: one job array, three seeds, three run folders; the local debug run, which reaches the target in
     about 150 steps, on two nodes in each."""
-    job = submit(tmp_path, "--runs", "3", "--gpus-per-node", "1", "--set", "train.micro_batch_size=4",
-                 "--set", "logging.progress_bar=false", config="configs/debug.yaml")
+    job = submit(
+        tmp_path,
+        "--runs",
+        "3",
+        "--gpus-per-node",
+        "1",
+        "--set",
+        "train.micro_batch_size=4",
+        "--set",
+        "logging.progress_bar=false",
+        config="configs/debug.yaml",
+    )
     for task in range(3):
         info = slurm_cluster.wait_job(f"{job}_{task}", timeout=400)
         assert info["JobState"] == "COMPLETED", node_logs(tmp_path, f"{job}_{task}")
-    seeds = [yaml.safe_load((tmp_path / "out" / f"run_{i}" / "config.yaml").read_text())["train"]["seed"]
-             for i in range(3)]
+    seeds = [
+        yaml.safe_load((tmp_path / "out" / f"run_{i}" / "config.yaml").read_text())["train"]["seed"] for i in range(3)
+    ]
     assert seeds[1] == seeds[0] + 1 and seeds[2] == seeds[0] + 2
-    done = subprocess.run([sys.executable, "-m", "flux_train.results", str(tmp_path / "out"), "--json"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "flux_train.results", str(tmp_path / "out"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     summary = json.loads(done.stdout)
     assert [r["status"] for r in summary["runs"]] == ["success"] * 3, summary
     assert summary["score"]["minutes"] is not None and summary["score"]["averaged"] == 1, summary  # olympic mean of 3
@@ -311,8 +420,9 @@ def test_a_campaign_of_three_runs_trains_each_and_is_scored(slurm_cluster, tmp_p
 
 def test_preflight_names_the_node_without_the_dataset_and_nothing_trains(slurm_cluster, tmp_path):
     data = slurm_cluster.not_on_n2 / tmp_path.name
-    subprocess.run([sys.executable, "-m", "dataprep", "fixture", "--out", str(data)], check=True, timeout=120,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "dataprep", "fixture", "--out", str(data)], check=True, timeout=120, capture_output=True
+    )
     job = submit(tmp_path, "--set", "data.source=energon", "--set", f"data.path={data}")
     info = slurm_cluster.wait_job(job, timeout=120)
     logs = node_logs(tmp_path, job)

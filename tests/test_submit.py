@@ -5,6 +5,7 @@ config strings staying inert, and one clear error per bad input.
 These tests check the commands we generate: pyxis (an srun plugin) and docker run nowhere here, and a fake
 `srun` shim (below) only records its arguments. tests/test_slurm_submit.py runs podman and apptainer for real,
 tests/test_container.py the per-node check."""
+
 from __future__ import annotations
 
 import json
@@ -45,15 +46,32 @@ def sbatch_flags(script: str) -> dict[str, str]:
     flags = {}
     for line in script.splitlines():
         if line.startswith("#SBATCH "):
-            key, _, value = shlex.split(line[len("#SBATCH "):])[0].partition("=")
+            key, _, value = shlex.split(line[len("#SBATCH ") :])[0].partition("=")
             flags[key] = value
     return flags
 
 
 def test_sbatch_script_one_task_per_node_with_requeue(capsys, tmp_path):
-    script, argv = dry(capsys, tmp_path, "--nodes", "4", "--partition", "gpu", "--account", "proj", "--qos", "high",
-                       "--time", "2:30:00", "--job-name", "flux run", "--set", "slurm.cpus_per_task=16",
-                       "--set", "train.global_batch_size=16")
+    script, argv = dry(
+        capsys,
+        tmp_path,
+        "--nodes",
+        "4",
+        "--partition",
+        "gpu",
+        "--account",
+        "proj",
+        "--qos",
+        "high",
+        "--time",
+        "2:30:00",
+        "--job-name",
+        "flux run",
+        "--set",
+        "slurm.cpus_per_task=16",
+        "--set",
+        "train.global_batch_size=16",
+    )
     flags = sbatch_flags(script)
     assert flags["--nodes"] == "4" and flags["--ntasks-per-node"] == "1" and flags["--gpus-per-node"] == "2"
     assert flags["--partition"] == "gpu" and flags["--account"] == "proj" and flags["--qos"] == "high"
@@ -73,10 +91,19 @@ def test_the_teardown_requeues_only_a_flagged_job_and_keeps_sruns_status(tmp_pat
     flag = tmp_path / "requeue.flag"
     if flagged:
         flag.touch()
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
-           "FLUX_REQUEUE_FLAG": str(flag)}
-    done = subprocess.run(["bash", "-c", "\n".join(["(exit 7)", *preemption.teardown()])], env=env,
-                          capture_output=True, text=True, timeout=30)
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "42",
+        "FLUX_REQUEUE_FLAG": str(flag),
+    }
+    done = subprocess.run(
+        ["bash", "-c", "\n".join(["(exit 7)", *preemption.teardown()])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 7 and not flag.exists()
     if flagged:
         assert json.loads((tmp_path / "scontrol.json").read_text()) == ["requeue", "42"]
@@ -87,18 +114,32 @@ def test_the_teardown_requeues_only_a_flagged_job_and_keeps_sruns_status(tmp_pat
 
 
 def test_the_plain_sbatch_options_come_from_the_config():
-    done = subprocess.run([sys.executable, "-m", "flux_train.preemption", "--config", SYSTEM,
-                           "--set", "slurm.signal_delay_s=90"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "flux_train.preemption", "--config", SYSTEM, "--set", "slurm.signal_delay_s=90"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and done.stdout.split() == ["--requeue", "--signal=USR2@90"]
 
 
 def test_pyxis(capsys, tmp_path):
-    _, argv = dry(capsys, tmp_path, "--runtime", "pyxis", "--container-image", "./flux.sqsh",
-                  "--mounts", "/datasets/cc12m:/data:ro,/scratch")
+    _, argv = dry(
+        capsys,
+        tmp_path,
+        "--runtime",
+        "pyxis",
+        "--container-image",
+        "./flux.sqsh",
+        "--mounts",
+        "/datasets/cc12m:/data:ro,/scratch",
+    )
     cwd = os.getcwd()
     assert "--container-image=./flux.sqsh" in argv
-    assert f"--container-mounts={cwd}:{cwd},{tmp_path}/sub:{tmp_path}/sub,/datasets/cc12m:/data:ro," \
-           f"/scratch:/scratch" in argv
+    assert (
+        f"--container-mounts={cwd}:{cwd},{tmp_path}/sub:{tmp_path}/sub,/datasets/cc12m:/data:ro,"
+        f"/scratch:/scratch" in argv
+    )
     assert f"--container-workdir={cwd}" in argv
     # pyxis passes the job's environment itself; the image's Python is resolved inside the container
     assert program(argv) == ["/usr/bin/env", "python3", "-u", "-m", "submitit.core._submit", f"{tmp_path}/sub/%j"]
@@ -106,52 +147,109 @@ def test_pyxis(capsys, tmp_path):
 
 @pytest.mark.parametrize("profile,flag", [("nvidia", "--nv"), ("amd", "--rocm")])
 def test_apptainer(capsys, tmp_path, profile, flag):
-    _, argv = dry(capsys, tmp_path, "--runtime", "apptainer", "--container-image", "/images/flux.sif",
-                  "--mounts", "/data", "--set", f"env.profile={profile}")
+    _, argv = dry(
+        capsys,
+        tmp_path,
+        "--runtime",
+        "apptainer",
+        "--container-image",
+        "/images/flux.sif",
+        "--mounts",
+        "/data",
+        "--set",
+        f"env.profile={profile}",
+    )
     cwd = os.getcwd()
-    assert program(argv) == ["apptainer", "exec", flag, f"--bind={cwd}:{cwd},{tmp_path}/sub:{tmp_path}/sub,/data:/data",
-                             f"--pwd={cwd}", "/images/flux.sif", "/usr/bin/env", "python3", "-u", "-m",
-                             "submitit.core._submit", f"{tmp_path}/sub/%j"]
+    assert program(argv) == [
+        "apptainer",
+        "exec",
+        flag,
+        f"--bind={cwd}:{cwd},{tmp_path}/sub:{tmp_path}/sub,/data:/data",
+        f"--pwd={cwd}",
+        "/images/flux.sif",
+        "/usr/bin/env",
+        "python3",
+        "-u",
+        "-m",
+        "submitit.core._submit",
+        f"{tmp_path}/sub/%j",
+    ]
 
 
 def test_docker_nvidia_with_infiniband(capsys, tmp_path):
-    _, argv = dry(capsys, tmp_path, "--runtime", "docker", "--container-image", "flux-train:cuda",
-                  "--mounts", "/data:/data:ro", "--set", "env.profile=nvidia", "--set", "env.ib_hca=mlx5",
-                  "--set", "container.env=[HF_HOME]")
+    _, argv = dry(
+        capsys,
+        tmp_path,
+        "--runtime",
+        "docker",
+        "--container-image",
+        "flux-train:cuda",
+        "--mounts",
+        "/data:/data:ro",
+        "--set",
+        "env.profile=nvidia",
+        "--set",
+        "env.ib_hca=mlx5",
+        "--set",
+        "container.env=[HF_HOME]",
+    )
     cmd = program(argv)
     image = cmd.index("flux-train:cuda")
-    options, python = cmd[2:image], cmd[image + 1:]
+    options, python = cmd[2:image], cmd[image + 1 :]
     assert cmd[:2] == ["docker", "run"] and python[:2] == ["/usr/bin/env", "python3"]
     assert {"--rm", "--init", "--network=host", "--ipc=host", "--ulimit=memlock=-1:-1"} <= set(options)
     assert {"--gpus=all", "--device=/dev/infiniband", "--cap-add=IPC_LOCK"} <= set(options)
     cwd = os.getcwd()
     assert [o for o in options if o.startswith("--volume=")] == [
-        f"--volume={cwd}:{cwd}", f"--volume={tmp_path}/sub:{tmp_path}/sub", "--volume=/data:/data:ro"]
+        f"--volume={cwd}:{cwd}",
+        f"--volume={tmp_path}/sub:{tmp_path}/sub",
+        "--volume=/data:/data:ro",
+    ]
     assert f"--workdir={cwd}" in options
     passed = {o.split("=", 1)[1] for o in options if o.startswith("--env=")}
     # what the agent needs from Slurm and submitit, the requeue flag, the multicast switches, and config extras
-    assert {"SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_JOB_NUM_NODES", "SLURM_PROCID",
-            "SLURM_RESTART_COUNT", "SUBMITIT_EXECUTOR", "FLUX_REQUEUE_FLAG", "NCCL_NVLS_ENABLE",
-            "TORCH_SYMM_MEM_DISABLE_MULTICAST", "HF_HOME"} <= passed
+    assert {
+        "SLURM_JOB_ID",
+        "SLURM_JOB_NODELIST",
+        "SLURM_NODEID",
+        "SLURM_JOB_NUM_NODES",
+        "SLURM_PROCID",
+        "SLURM_RESTART_COUNT",
+        "SUBMITIT_EXECUTOR",
+        "FLUX_REQUEUE_FLAG",
+        "NCCL_NVLS_ENABLE",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+        "HF_HOME",
+    } <= passed
     assert all("=" not in name for name in passed)  # names only: values come from the job, not the login node
 
 
 def test_docker_amd_and_podman_nvidia_devices(capsys, tmp_path):
-    _, argv = dry(capsys, tmp_path, "--runtime", "docker", "--container-image", "flux-train:rocm",
-                  "--set", "env.profile=amd")
+    _, argv = dry(
+        capsys, tmp_path, "--runtime", "docker", "--container-image", "flux-train:rocm", "--set", "env.profile=amd"
+    )
     options = program(argv)
-    assert {"--device=/dev/kfd", "--device=/dev/dri", "--group-add=video",
-            "--security-opt=seccomp=unconfined"} <= set(options)
+    assert {"--device=/dev/kfd", "--device=/dev/dri", "--group-add=video", "--security-opt=seccomp=unconfined"} <= set(
+        options
+    )
     assert "--gpus=all" not in options and "--device=/dev/infiniband" not in options
-    _, argv = dry(capsys, tmp_path, "--runtime", "podman", "--container-image", "flux-train:cuda",
-                  "--set", "env.profile=nvidia")
+    _, argv = dry(
+        capsys, tmp_path, "--runtime", "podman", "--container-image", "flux-train:cuda", "--set", "env.profile=nvidia"
+    )
     assert program(argv)[:2] == ["podman", "run"] and "--device=nvidia.com/gpu=all" in program(argv)
 
 
 def test_ulimits_add_to_memlock_and_replace_or_drop_it(capsys, tmp_path):
     def ulimits(*sets: str) -> list[str]:
-        _, argv = dry(capsys, tmp_path, "--runtime", "podman", "--container-image", "img",
-                      *[arg for s in sets for arg in ("--set", s)])
+        _, argv = dry(
+            capsys,
+            tmp_path,
+            "--runtime",
+            "podman",
+            "--container-image",
+            "img",
+            *[arg for s in sets for arg in ("--set", s)],
+        )
         return [o for o in program(argv) if o.startswith("--ulimit")]
 
     assert ulimits() == ["--ulimit=memlock=-1:-1"]
@@ -162,21 +260,30 @@ def test_ulimits_add_to_memlock_and_replace_or_drop_it(capsys, tmp_path):
     assert not [o for o in program(argv) if o.startswith("--ulimit")]  # apptainer keeps the node's limits
 
 
-@pytest.mark.parametrize("runtime,profile,gpu_args,present,absent", [
-    ("podman", "nvidia", None, ["--device=nvidia.com/gpu=all"], ["--gpus=all"]),
-    ("podman", "nvidia", "[--gpus=all]", ["--gpus=all"], ["--device=nvidia.com/gpu=all"]),  # nvidia's hook
-    ("docker", "nvidia", "[]", [], ["--gpus=all"]),
-    ("docker", "amd", "['--device=/dev/kfd', '--device=/dev/dri/renderD128']",
-     ["--device=/dev/kfd", "--device=/dev/dri/renderD128"], ["--device=/dev/dri", "--group-add=video"]),
-    ("apptainer", "amd", None, ["--rocm"], ["--nv"]),
-    ("apptainer", "nvidia", "[--nvccli]", ["--nvccli"], ["--nv"]),
-])
+@pytest.mark.parametrize(
+    "runtime,profile,gpu_args,present,absent",
+    [
+        ("podman", "nvidia", None, ["--device=nvidia.com/gpu=all"], ["--gpus=all"]),
+        ("podman", "nvidia", "[--gpus=all]", ["--gpus=all"], ["--device=nvidia.com/gpu=all"]),  # nvidia's hook
+        ("docker", "nvidia", "[]", [], ["--gpus=all"]),
+        (
+            "docker",
+            "amd",
+            "['--device=/dev/kfd', '--device=/dev/dri/renderD128']",
+            ["--device=/dev/kfd", "--device=/dev/dri/renderD128"],
+            ["--device=/dev/dri", "--group-add=video"],
+        ),
+        ("apptainer", "amd", None, ["--rocm"], ["--nv"]),
+        ("apptainer", "nvidia", "[--nvccli]", ["--nvccli"], ["--nv"]),
+    ],
+)
 def test_gpu_passthrough_per_engine_and_overridable(capsys, tmp_path, runtime, profile, gpu_args, present, absent):
     sets = ["--set", f"container.gpu_args={gpu_args}"] if gpu_args else []
-    _, argv = dry(capsys, tmp_path, "--runtime", runtime, "--container-image", "img", "--set", f"env.profile={profile}",
-                  *sets)
+    _, argv = dry(
+        capsys, tmp_path, "--runtime", runtime, "--container-image", "img", "--set", f"env.profile={profile}", *sets
+    )
     options = program(argv)
-    options = options[:options.index("img")]
+    options = options[: options.index("img")]
     assert all(o in options for o in present) and not any(o in options for o in absent), options
 
 
@@ -185,17 +292,27 @@ def test_each_node_checks_its_container_before_starting_it(capsys, tmp_path, run
     """docker, podman and apptainer: a step before the agents' runs the check on every node; its trial start is
     the agent's own command with an import in place of submitit's entry point. pyxis reports its own errors."""
     image = "./flux.sqsh" if runtime == "pyxis" else "img"
-    script, argv = dry(capsys, tmp_path, "--runtime", runtime, "--container-image", image, "--mounts", "/data:/d:ro",
-                       "--set", "container.python=/opt/venv/bin/python")
+    script, argv = dry(
+        capsys,
+        tmp_path,
+        "--runtime",
+        runtime,
+        "--container-image",
+        image,
+        "--mounts",
+        "/data:/d:ro",
+        "--set",
+        "container.python=/opt/venv/bin/python",
+    )
     setup = script.split("# setup\n", 1)[1].split("# command", 1)[0]
     if runtime in ("pyxis", "none"):
         assert "srun" not in setup and "flux-train-check" not in script
         return
-    words = shlex.split(setup[setup.index("srun "):])
+    words = shlex.split(setup[setup.index("srun ") :])
     assert words[:5] == ["srun", "--ntasks-per-node=1", "bash", "-c", container.NODE_CHECK]
     assert words[5:8] == ["flux-train-check", runtime, image] and words[-3:] == ["||", "exit", "1"]
-    assert words[8:words.index("--")] == [os.getcwd(), f"{tmp_path}/sub", "/data"]  # every mount source
-    trial = words[words.index("--") + 1:-3]
+    assert words[8 : words.index("--")] == [os.getcwd(), f"{tmp_path}/sub", "/data"]  # every mount source
+    trial = words[words.index("--") + 1 : -3]
     assert program(argv)[-5:] == ["/opt/venv/bin/python", "-u", "-m", "submitit.core._submit", f"{tmp_path}/sub/%j"]
     assert trial == program(argv)[:-4] + ["-c", "import flux_train, submitit"]
 
@@ -203,29 +320,44 @@ def test_each_node_checks_its_container_before_starting_it(capsys, tmp_path, run
 def _fake_command(bin_dir: Path, name: str, record: Path) -> None:
     """A stand-in Slurm command (srun, scontrol) that only records its argv: no Slurm, no container engine here."""
     bin_dir.mkdir()
-    (bin_dir / name).write_text(f"#!{sys.executable}\nimport json, sys\n"
-                                f"open({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    (bin_dir / name).write_text(
+        f"#!{sys.executable}\nimport json, sys\nopen({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+    )
     (bin_dir / name).chmod(0o755)
 
 
 @pytest.mark.parametrize("runtime", ["pyxis", "docker"])
 def test_hostile_config_strings_stay_inert(capsys, tmp_path, runtime):
     marker = tmp_path / "pwned"
-    evil = f"x'; touch {marker}; echo \"$(touch {marker})\" `touch {marker}`"
+    evil = f'x\'; touch {marker}; echo "$(touch {marker})" `touch {marker}`'
     image = f"img:1 $(touch {marker});\"q'"
     mount_src = tmp_path / f"my data;$(touch {marker})"
     folder = tmp_path / "sub dir $(x)"
-    script, _ = dry(capsys, tmp_path, "--runtime", runtime, "--container-image", image, "--job-name", evil,
-                    "--mounts", f"{mount_src}:/data", "--set", f"slurm.folder={folder}/%j",
-                    "--set", f"container.extra_args=[{json.dumps(evil)}]")
+    script, _ = dry(
+        capsys,
+        tmp_path,
+        "--runtime",
+        runtime,
+        "--container-image",
+        image,
+        "--job-name",
+        evil,
+        "--mounts",
+        f"{mount_src}:/data",
+        "--set",
+        f"slurm.folder={folder}/%j",
+        "--set",
+        f"container.extra_args=[{json.dumps(evil)}]",
+    )
     assert sbatch_flags(script)["--job-name"] == evil
     # run the script's setup and command lines with a recording srun in place of Slurm's
     record = tmp_path / "argv.json"
     _fake_command(tmp_path / "bin", "srun", record)
     body = script.split("# setup\n", 1)[1].split("# teardown", 1)[0]
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
-    done = subprocess.run(["bash", "-c", body + '\necho "flag=$FLUX_REQUEUE_FLAG"'], env=env, capture_output=True,
-                          text=True, timeout=30)
+    done = subprocess.run(
+        ["bash", "-c", body + '\necho "flag=$FLUX_REQUEUE_FLAG"'], env=env, capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 0, done.stderr
     assert f"flag={folder}/42/requeue.flag" in done.stdout
     assert not marker.exists()
@@ -246,8 +378,7 @@ def test_dry_run_script_is_the_one_submitit_submits(capsys, tmp_path):
     from flux_train.config import load_config
 
     script, _ = dry(capsys, tmp_path, "--runtime", "docker", "--container-image", "img")
-    cfg = load_config(SYSTEM, [f"slurm.folder={tmp_path}/sub/%j", "container.runtime=docker",
-                               "container.image=img"])
+    cfg = load_config(SYSTEM, [f"slurm.folder={tmp_path}/sub/%j", "container.runtime=docker", "container.image=img"])
     folder = f"{tmp_path}/sub/%j"
     srun_args, python = container.command(cfg)
     executor = submitit.SlurmExecutor(folder=folder, python=shlex.join(python))
@@ -255,11 +386,14 @@ def test_dry_run_script_is_the_one_submitit_submits(capsys, tmp_path):
     assert executor._make_submission_file_text(executor._submitit_command_str, "uid") == script.rstrip("\n")
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--nodes", "0"], "argument --nodes: must be >= 1, got 0"),
-    (["--runtime", "singularity"], "argument --runtime: invalid choice: 'singularity'"),
-    (["--time", "soon"], "argument --time: expected minutes, H:MM:SS or D-HH:MM:SS, got 'soon'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--nodes", "0"], "argument --nodes: must be >= 1, got 0"),
+        (["--runtime", "singularity"], "argument --runtime: invalid choice: 'singularity'"),
+        (["--time", "soon"], "argument --time: expected minutes, H:MM:SS or D-HH:MM:SS, got 'soon'"),
+    ],
+)
 def test_bad_flags_one_clear_message(capsys, tmp_path, args, message):
     with pytest.raises(SystemExit) as exit_:
         sub.main(["--config", SYSTEM, "--set", f"slurm.folder={tmp_path}/sub/%j", *args])
@@ -268,19 +402,41 @@ def test_bad_flags_one_clear_message(capsys, tmp_path, args, message):
     assert not (tmp_path / "sub").exists()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--config", "configs/systems/nope.yaml"], "config file not found: configs/systems/nope.yaml"),
-    (["--config", SYSTEM, "--runtime", "docker"], "container runtime docker needs an image: pass --container-image"),
-    (["--config", SYSTEM, "--nodes", "3"], "train.global_batch_size 8 is not divisible by"),
-    (["--config", SYSTEM, "--mounts", "/a:b"], "container mount '/a:b': the destination must be an absolute path"),
-    (["--config", SYSTEM, "--local", "--runtime", "pyxis", "--container-image", "x"], "--local cannot use pyxis"),
-    (["--config", SYSTEM, "--time", "1"], "slurm.signal_delay_s=60 must be between 0 and the time limit (1 min)"),
-    (["--config", SYSTEM, "--set", "container.ulimits.nofile=lots"],
-     "container.ulimits.nofile='lots': expected SOFT or SOFT:HARD in whole numbers (-1: unlimited)"),
-    (["--config", SYSTEM, "--set", "container.ulimits.files=1"], "container.ulimits.files: unknown limit; accepted: "),
-    (["--config", SYSTEM, "--runtime", "docker", "--container-image", "x", "--set", "container.python=python3 'x"],
-     "container.python \"python3 'x\": No closing quotation (it is split like a shell command line)"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--config", "configs/systems/nope.yaml"], "config file not found: configs/systems/nope.yaml"),
+        (
+            ["--config", SYSTEM, "--runtime", "docker"],
+            "container runtime docker needs an image: pass --container-image",
+        ),
+        (["--config", SYSTEM, "--nodes", "3"], "train.global_batch_size 8 is not divisible by"),
+        (["--config", SYSTEM, "--mounts", "/a:b"], "container mount '/a:b': the destination must be an absolute path"),
+        (["--config", SYSTEM, "--local", "--runtime", "pyxis", "--container-image", "x"], "--local cannot use pyxis"),
+        (["--config", SYSTEM, "--time", "1"], "slurm.signal_delay_s=60 must be between 0 and the time limit (1 min)"),
+        (
+            ["--config", SYSTEM, "--set", "container.ulimits.nofile=lots"],
+            "container.ulimits.nofile='lots': expected SOFT or SOFT:HARD in whole numbers (-1: unlimited)",
+        ),
+        (
+            ["--config", SYSTEM, "--set", "container.ulimits.files=1"],
+            "container.ulimits.files: unknown limit; accepted: ",
+        ),
+        (
+            [
+                "--config",
+                SYSTEM,
+                "--runtime",
+                "docker",
+                "--container-image",
+                "x",
+                "--set",
+                "container.python=python3 'x",
+            ],
+            'container.python "python3 \'x": No closing quotation (it is split like a shell command line)',
+        ),
+    ],
+)
 def test_bad_input_one_clear_message(capsys, tmp_path, args, message):
     assert sub.main([*args, "--set", f"slurm.folder={tmp_path}/sub/%j"]) == 2
     err = capsys.readouterr().err
@@ -296,16 +452,21 @@ def test_no_slurm_on_path(capsys, tmp_path, monkeypatch):
     assert not (tmp_path / "sub").exists()
 
 
-@pytest.mark.parametrize("text,minutes", [("90", 90), ("1:30:00", 90), ("2-00", 2880), ("1-0:0:30", 1441),
-                                          ("10:30", 11)])
+@pytest.mark.parametrize(
+    "text,minutes", [("90", 90), ("1:30:00", 90), ("2-00", 2880), ("1-0:0:30", 1441), ("10:30", 11)]
+)
 def test_time_formats(text, minutes):
     assert sub.time_minutes(text) == minutes
 
 
 @pytest.mark.parametrize("system", sorted(p.stem for p in Path("configs/systems").glob("*.yaml")))
 def test_system_configs_resolve_and_dry_run(capsys, tmp_path, system):
-    assert sub.main(["--config", f"configs/systems/{system}.yaml", "--dry-run",
-                     "--set", f"slurm.folder={tmp_path}/sub/%j"]) == 0
+    assert (
+        sub.main(
+            ["--config", f"configs/systems/{system}.yaml", "--dry-run", "--set", f"slurm.folder={tmp_path}/sub/%j"]
+        )
+        == 0
+    )
     nodes, gpus = (int(x) for x in system.split("_")[1].split("x")[:2])
     flags = sbatch_flags(capsys.readouterr().out.split("# ---- sbatch script ----\n", 1)[1])
     assert flags["--nodes"] == str(nodes) and flags["--gpus-per-node"] == str(gpus)

@@ -1,5 +1,6 @@
 """The local debug run end to end on the CPU: it overfits, stops at the target, its MLLOG passes the official
 compliance checker, and its terminal holds the metrics lines, not MLLOG's JSON or warnings meaning nothing."""
+
 import json
 import subprocess
 import sys
@@ -15,9 +16,22 @@ from run_outputs import column, metrics
 @pytest.fixture(scope="module")
 def debug_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("debug")
-    proc = subprocess.run([sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml",
-                           "--set", f"logging.out_dir={out}", "--set", "logging.tensorboard=true"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flux_train.train",
+            "--config",
+            "configs/debug.yaml",
+            "--set",
+            f"logging.out_dir={out}",
+            "--set",
+            "logging.tensorboard=true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
@@ -65,12 +79,29 @@ def test_mllog_has_every_key_in_order(debug_run):
     out, _ = debug_run
     events = read_events(out / "mllog.log")
     keys = [e["key"] for e in events]
-    before_run = keys[:keys.index("run_start")]
-    for key in ("cache_clear", "submission_benchmark", "submission_org", "submission_platform", "train_samples",
-                "eval_samples", "seed", "global_batch_size", "opt_name", "opt_base_learning_rate",
-                "opt_learning_rate_warmup_steps", "opt_adamw_beta_1", "opt_adamw_beta_2", "opt_adamw_epsilon",
-                "opt_adamw_weight_decay", "opt_gradient_clip_norm", "gradient_accumulation_steps",
-                "evaluation_frequency", "init_start", "init_stop"):
+    before_run = keys[: keys.index("run_start")]
+    for key in (
+        "cache_clear",
+        "submission_benchmark",
+        "submission_org",
+        "submission_platform",
+        "train_samples",
+        "eval_samples",
+        "seed",
+        "global_batch_size",
+        "opt_name",
+        "opt_base_learning_rate",
+        "opt_learning_rate_warmup_steps",
+        "opt_adamw_beta_1",
+        "opt_adamw_beta_2",
+        "opt_adamw_epsilon",
+        "opt_adamw_weight_decay",
+        "opt_gradient_clip_norm",
+        "gradient_accumulation_steps",
+        "evaluation_frequency",
+        "init_start",
+        "init_stop",
+    ):
         assert key in before_run, key
     value = {e["key"]: e["value"] for e in events}
     assert value["evaluation_frequency"] == 262144 and value["train_samples"] == 1099776
@@ -91,18 +122,46 @@ def test_terminal_shows_metrics_not_mllog_or_pin_memory_warnings(debug_run):
 @pytest.mark.slow
 def test_official_compliance_checker_accepts_the_log(debug_run):
     out, _ = debug_run
-    proc = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
-                           "--ruleset", "6.0.0", str(out / "mllog.log")], capture_output=True, text=True,
-                          timeout=300, cwd=out)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlperf_logging.compliance_checker",
+            "--usage",
+            "training",
+            "--ruleset",
+            "6.0.0",
+            str(out / "mllog.log"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=out,
+    )
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
 def test_step_cap_ends_aborted_with_mllog_on_stdout_when_asked(tmp_path, capsys):
     # in-process, so the synthetic source: forking energon's loader workers from pytest's process is not safe
-    rc = main(["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", f"logging.out_dir={tmp_path}",
-               "--set", "train.max_steps=4", "--set", "logging.mllog_stdout=true",
-               "--set", "eval.every_steps=2", "--set", "logging.log_every=2"])
+    rc = main(
+        [
+            "--config",
+            "configs/debug.yaml",
+            "--set",
+            "data.source=synthetic",
+            "--set",
+            f"logging.out_dir={tmp_path}",
+            "--set",
+            "train.max_steps=4",
+            "--set",
+            "logging.mllog_stdout=true",
+            "--set",
+            "eval.every_steps=2",
+            "--set",
+            "logging.log_every=2",
+        ]
+    )
     assert rc == 0
     logged = (tmp_path / "mllog.log").read_text().splitlines()
     assert [line for line in capsys.readouterr().out.splitlines() if ":::MLLOG" in line] == logged
@@ -126,12 +185,34 @@ def test_non_finite_step_stops_the_run_there_and_keeps_the_last_good_checkpoint(
     from flux_train import checkpoint
 
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml",
-                           "--set", f"logging.out_dir={out}", "--set", "data.source=synthetic",
-                           "--set", "train.inject_nan_at_step=5", "--set", "checkpoint.every_steps=2",
-                           "--set", "logging.log_every=10", "--set", "eval.enabled=false",
-                           "--set", "train.max_steps=20", "--set", f"parallel.strategy={strategy}"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flux_train.train",
+            "--config",
+            "configs/debug.yaml",
+            "--set",
+            f"logging.out_dir={out}",
+            "--set",
+            "data.source=synthetic",
+            "--set",
+            "train.inject_nan_at_step=5",
+            "--set",
+            "checkpoint.every_steps=2",
+            "--set",
+            "logging.log_every=10",
+            "--set",
+            "eval.enabled=false",
+            "--set",
+            "train.max_steps=20",
+            "--set",
+            f"parallel.strategy={strategy}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     latest = checkpoint.list_checkpoints(out / "checkpoints")[-1]
     assert latest.name == "step_00000004"

@@ -10,6 +10,7 @@ pass and 4 more bytes of memory per parameter first) and writes no bf16 copy (an
 The arithmetic follows torch.optim.AdamW (decoupled weight decay, bias corrections, eps outside the sqrt)
 step for step; `adamw_step_torch` is the same in torch ops (CPU path and test reference).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,12 +28,25 @@ except ImportError:  # CPU-only installs
 
 def _scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
     """(step size lr / bias_correction1, sqrt(bias_correction2)) at 1-based `step`."""
-    return lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step)
+    return lr / (1 - beta1**step), math.sqrt(1 - beta2**step)
 
 
 @torch.no_grad()
-def adamw_step_torch(master, exp_avg, exp_avg_sq, grad, out, grad_coef, *, lr: float, beta1: float, beta2: float,
-                     eps: float, weight_decay: float, step: int) -> None:
+def adamw_step_torch(
+    master,
+    exp_avg,
+    exp_avg_sq,
+    grad,
+    out,
+    grad_coef,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
     step_size, bc2_sqrt = _scalars(lr, beta1, beta2, step)
     g = grad.to(master.dtype) * grad_coef
     master.mul_(1 - lr * weight_decay)
@@ -45,8 +59,7 @@ def adamw_step_torch(master, exp_avg, exp_avg_sq, grad, out, grad_coef, *, lr: f
 if HAVE_TRITON:
 
     @triton.jit
-    def _adamw_kernel(P, M, V, G, OUT, COEF, n, lr, decay, beta1, beta2, step_size, bc2_sqrt, eps,
-                      BLOCK: tl.constexpr):
+    def _adamw_kernel(P, M, V, G, OUT, COEF, n, lr, decay, beta1, beta2, step_size, bc2_sqrt, eps, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(COEF)
@@ -63,15 +76,55 @@ if HAVE_TRITON:
         tl.store(OUT + offs, p.to(OUT.dtype.element_ty), mask=mask)
 
 
-def adamw_step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, *, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, step: int) -> None:
+def adamw_step(
+    master,
+    exp_avg,
+    exp_avg_sq,
+    grad,
+    out,
+    grad_coef,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
     """One AdamW step on 1-D tensors of equal length (see module docstring); Triton on a GPU."""
     if not (HAVE_TRITON and master.is_cuda):
-        return adamw_step_torch(master, exp_avg, exp_avg_sq, grad, out, grad_coef, lr=lr, beta1=beta1,
-                                beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+        return adamw_step_torch(
+            master,
+            exp_avg,
+            exp_avg_sq,
+            grad,
+            out,
+            grad_coef,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            step=step,
+        )
     n = master.numel()
     step_size, bc2_sqrt = _scalars(lr, beta1, beta2, step)
     block = 2048
-    _adamw_kernel[(triton.cdiv(n, block),)](master, exp_avg, exp_avg_sq, grad, out, grad_coef, n, lr,
-                                            1 - lr * weight_decay, beta1, beta2, step_size, bc2_sqrt, eps,
-                                            BLOCK=block, num_warps=8)
+    _adamw_kernel[(triton.cdiv(n, block),)](
+        master,
+        exp_avg,
+        exp_avg_sq,
+        grad,
+        out,
+        grad_coef,
+        n,
+        lr,
+        1 - lr * weight_decay,
+        beta1,
+        beta2,
+        step_size,
+        bc2_sqrt,
+        eps,
+        BLOCK=block,
+        num_warps=8,
+    )

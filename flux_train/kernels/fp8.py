@@ -12,6 +12,7 @@ The e4m3 format depends on the GPU: OCP `float8_e4m3fn` (max 448) on NVIDIA Hopp
 reject the OCP format. The casts and the transposes the backward GEMMs need are elementwise code that
 torch.compile fuses into the blocks' kernels (one read of each operand for amax, one fused scale+cast+copy).
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,9 +52,13 @@ def _column_major(x: torch.Tensor) -> torch.Tensor:
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     """a [M,K] row-major, b [K,N] column-major, scales [M,1]/[1,N] (or scalars) -> bf16 a @ b."""
     if a.is_cuda:
-        return torch._scaled_mm(a, b, scale_a=a_scale.reshape(-1, 1) if a_scale.dim() else a_scale,
-                                scale_b=b_scale.reshape(1, -1) if b_scale.dim() else b_scale,
-                                out_dtype=torch.bfloat16)
+        return torch._scaled_mm(
+            a,
+            b,
+            scale_a=a_scale.reshape(-1, 1) if a_scale.dim() else a_scale,
+            scale_b=b_scale.reshape(1, -1) if b_scale.dim() else b_scale,
+            out_dtype=torch.bfloat16,
+        )
     return ((a.float() * a_scale) @ (b.float() * b_scale)).to(torch.bfloat16)
 
 
@@ -64,8 +69,8 @@ def _dims(recipe: str, dim: int) -> int | None:
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
-        xq, xs = quantize(x2, _dims(recipe, 1), dtype)          # per token
-        wq, ws = quantize(weight, _dims(recipe, 1), dtype)      # per output channel
+        xq, xs = quantize(x2, _dims(recipe, 1), dtype)  # per token
+        wq, ws = quantize(weight, _dims(recipe, 1), dtype)  # per output channel
         ctx.recipe, ctx.weight_dtype, ctx.dtype = recipe, weight.dtype, dtype
         # tensorwise scales serve the backward GEMMs too: keep the e4m3 copies (half the bytes, no second cast);
         # rowwise backward scales run along the other axis and need the high-precision operands
@@ -80,17 +85,18 @@ class _FP8Linear(torch.autograd.Function):
             xq0, xs0 = xq, xs
         else:
             x2, weight = ctx.saved_tensors
-            wq, ws = quantize(weight, 0, ctx.dtype)      # per input channel (over N)
-            dyq, dys = quantize(dy, 1, ctx.dtype)        # per token (over N)
-            dyq0, dys0 = quantize(dy, 0, ctx.dtype)      # per column, over the tokens
+            wq, ws = quantize(weight, 0, ctx.dtype)  # per input channel (over N)
+            dyq, dys = quantize(dy, 1, ctx.dtype)  # per token (over N)
+            dyq0, dys0 = quantize(dy, 0, ctx.dtype)  # per column, over the tokens
             xq0, xs0 = quantize(x2, 0, ctx.dtype)
         dx = scaled_mm(dyq, dys, _column_major(wq), ws)  # dX = dY @ W
         dw = scaled_mm(dyq0.t().contiguous(), dys0.t() if dys0.dim() else dys0, _column_major(xq0), xs0)  # dY^T X
         return dx, dw.to(ctx.weight_dtype), None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str = "none",
-           dtype: torch.dtype = E4M3) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str = "none", dtype: torch.dtype = E4M3
+) -> torch.Tensor:
     """F.linear, in FP8 when `recipe` names one and the shapes allow it."""
     n, k = weight.shape
     m = x.numel() // k

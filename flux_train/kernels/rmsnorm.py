@@ -4,6 +4,7 @@
 `impl` allows it, otherwise the torch expression below (also the CPU path and the test reference).
 The Triton path is a `torch.library.triton_op`, so torch.compile traces it and CUDA graphs capture it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 if HAVE_TRITON:
 
     @triton.jit
-    def _rmsnorm_fwd_kernel(X, W, Y, RSTD, n_rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                            ROWS: tl.constexpr):
+    def _rmsnorm_fwd_kernel(X, W, Y, RSTD, n_rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_D)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
@@ -43,8 +43,19 @@ if HAVE_TRITON:
         tl.store(RSTD + rows, rstd, mask=rows < n_rows)
 
     @triton.jit
-    def _rmsnorm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                            ROWS: tl.constexpr, TILES: tl.constexpr):
+    def _rmsnorm_bwd_kernel(
+        DY,
+        X,
+        W,
+        RSTD,
+        DX,
+        DW_PARTIAL,
+        n_rows,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        ROWS: tl.constexpr,
+        TILES: tl.constexpr,
+    ):
         # each program walks TILES tiles of ROWS rows and keeps one fp32 partial of dW
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
@@ -79,12 +90,14 @@ if HAVE_TRITON:
         rstd = torch.empty(n, device=x.device, dtype=torch.float32)
         block_d, rows = _launch_shape(d)
         wrap_triton(_rmsnorm_fwd_kernel)[(triton.cdiv(n, rows),)](
-            x2, weight, y, rstd, n, eps, D=d, BLOCK_D=block_d, ROWS=rows)
+            x2, weight, y, rstd, n, eps, D=d, BLOCK_D=block_d, ROWS=rows
+        )
         return y.view(x.shape), rstd
 
     @triton_op("flux_train::rmsnorm_bwd", mutates_args=())
-    def _rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rmsnorm_bwd(
+        dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         d = x.shape[-1]
         x2 = x.reshape(-1, d)
         dy2 = dy.reshape(-1, d)
@@ -95,7 +108,8 @@ if HAVE_TRITON:
         programs = triton.cdiv(n, rows * tiles)
         partial = torch.empty(programs, block_d, device=x.device, dtype=torch.float32)
         wrap_triton(_rmsnorm_bwd_kernel)[(programs,)](
-            dy2, x2, weight, rstd, dx, partial, n, D=d, BLOCK_D=block_d, ROWS=rows, TILES=tiles)
+            dy2, x2, weight, rstd, dx, partial, n, D=d, BLOCK_D=block_d, ROWS=rows, TILES=tiles
+        )
         dw = partial[:, :d].sum(0).to(weight.dtype)
         return dx.view(x.shape), dw
 
