@@ -126,6 +126,9 @@ def wanted_env(cfg: Config, local_dir: Path) -> dict[str, str]:
     # compile caches on a shared filesystem are slow and racy across nodes
     wanted["TRITON_CACHE_DIR"] = str(local_dir / "triton")
     wanted["TORCHINDUCTOR_CACHE_DIR"] = str(local_dir / "inductor")
+    # matplotlib (the run report) falls back to a temporary folder in the working directory, the submit
+    # directory, when $HOME and /tmp are read-only, as in a container
+    wanted["MPLCONFIGDIR"] = str(local_dir / "matplotlib")
     wanted.update(e.vars)
     return wanted
 

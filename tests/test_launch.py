@@ -48,6 +48,7 @@ def test_environment_precedence(tmp_path):
     assert wanted["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
     assert wanted["TRITON_CACHE_DIR"] == f"{tmp_path}/triton"
     assert wanted["TORCHINDUCTOR_CACHE_DIR"] == f"{tmp_path}/inductor"
+    assert wanted["MPLCONFIGDIR"] == f"{tmp_path}/matplotlib"
     # the job's own environment beats everything: the GPU machines need NVLink multicast off
     environ = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_DEBUG": "WARN"}
     exported, kept = launch.export_env(wanted, environ)

@@ -138,6 +138,7 @@ def test_two_nodes_train_to_the_end(slurm_cluster, engine, tmp_path):
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] in ("success", "aborted")
     assert [e["key"] for e in events].count("eval_accuracy") >= 1
     assert_nothing_left(job)
+    assert not list(ROOT.glob("matplotlib-*"))  # nothing left in the submit directory (matplotlib's fallback)
 
 
 STEPS, GBS = 30, 4
