@@ -1,11 +1,20 @@
-"""What a training run wrote, read one way for every test: metrics.jsonl rows and MLLOG events of an out_dir."""
+"""Training runs for the tests: one way to start `python -m flux_train.train`, and one way to read what a run
+wrote (metrics.jsonl rows and MLLOG events of an out_dir)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from flux_train import results
+
+
+def train(out: Path, *args: str, config: str = "configs/debug.yaml", timeout: float = 600):
+    """`python -m flux_train.train --config CONFIG --set logging.out_dir=OUT ARGS...`, its output captured."""
+    argv = [sys.executable, "-m", "flux_train.train", "--config", config, "--set", f"logging.out_dir={out}", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 
 def metrics(out: Path) -> list[dict]:

@@ -12,7 +12,7 @@ from flux_train import checkpoint
 from flux_train.config import load_config
 from flux_train.results import read_events
 from flux_train.preemption import EXIT_CODE as EXIT_PREEMPTED
-from run_outputs import column, losses
+from run_outputs import column, losses, train
 
 pytestmark = pytest.mark.slow  # every test trains
 
@@ -38,10 +38,7 @@ def crashed_after_step_4(out):
 
 
 def run(out, *extra):
-    args = ["--config", "configs/debug.yaml", "--set", f"logging.out_dir={out}", *COMMON, *extra]
-    proc = subprocess.run(
-        [sys.executable, "-m", "flux_train.train", *args], capture_output=True, text=True, timeout=600
-    )
+    proc = train(out, *COMMON, *extra)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -124,23 +121,7 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
 def test_a_finished_run_is_not_started_again(tmp_path):
     out = tmp_path / "run"
     run(out, "--set", "train.max_steps=2", "--set", "checkpoint.every_steps=2")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flux_train.train",
-            "--config",
-            "configs/debug.yaml",
-            "--set",
-            f"logging.out_dir={out}",
-            *COMMON,
-            "--set",
-            "train.max_steps=4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = train(out, *COMMON, "--set", "train.max_steps=4")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"config error: {out} holds a finished run (run_stop in mllog.log); choose a new logging.out_dir, or set "

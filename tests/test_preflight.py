@@ -1,35 +1,24 @@
 """Pre-flight refuses a node before the run's clock starts, naming the host and the fix."""
 
 import socket
-import subprocess
-import sys
 
 import pytest
 
 from flux_train import preflight
 from flux_train.config import load_config
+from run_outputs import train as run_train
 
 
 def train(out, *extra):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flux_train.train",
-            "--config",
-            "configs/debug.yaml",
-            "--set",
-            f"logging.out_dir={out}",
-            "--set",
-            "preflight.enabled=true",
-            "--set",
-            "train.max_steps=2",
-            "--set",
-            "eval.enabled=false",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
+    return run_train(
+        out,
+        "--set",
+        "preflight.enabled=true",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "eval.enabled=false",
+        *extra,
         timeout=300,
     )
 

@@ -10,28 +10,13 @@ from PIL import Image
 
 from flux_train.results import read_events
 from flux_train.train import main
-from run_outputs import column, metrics
+from run_outputs import column, metrics, train
 
 
 @pytest.fixture(scope="module")
 def debug_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("debug")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flux_train.train",
-            "--config",
-            "configs/debug.yaml",
-            "--set",
-            f"logging.out_dir={out}",
-            "--set",
-            "logging.tensorboard=true",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = train(out, "--set", "logging.tensorboard=true")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
