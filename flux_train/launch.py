@@ -41,6 +41,9 @@ REPO = Path(__file__).resolve().parent.parent
 PROFILES = REPO / "slurm" / "env"
 TUNABLES = REPO / "slurm" / "runtime_tunables.sh"
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+# scratch folders that belong to this node: a value inherited from the submitting shell (a login node's path,
+# or the /tmp default torch writes into its own process's environment) is replaced; env.vars can still set them
+NODE_LOCAL_VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR")
 
 
 class WorkerFailure(RuntimeError):
@@ -142,10 +145,11 @@ def default_route_ifname() -> str:
 
 
 def export_env(wanted: dict[str, str], environ=os.environ) -> tuple[dict[str, str], dict[str, str]]:
-    """Export each variable the job's environment does not already set; returns (exported, kept)."""
+    """Export each variable the job's environment does not already set (node-local scratch folders always);
+    returns (exported, kept)."""
     exported, kept = {}, {}
     for key, value in wanted.items():
-        if key in environ:
+        if key in environ and key not in NODE_LOCAL_VARS:
             kept[key] = environ[key]
             continue
         if key in IFNAME_VARS and value == "auto":

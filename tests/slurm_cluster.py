@@ -61,11 +61,7 @@ class SlurmCluster:
     def __init__(self, root: Path):
         self.root = root
         self.conf = root / "slurm.conf"
-        # not what this test process's torch wrote into its own environment (see test_slurm_submit.job_env)
-        self.env = {
-            **{k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")},
-            "SLURM_CONF": str(self.conf),
-        }
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.procs: list[subprocess.Popen] = []
         self.not_on_n2 = root / "not-on-n2"
 

@@ -50,8 +50,14 @@ def test_environment_precedence(tmp_path):
     assert wanted["TORCHINDUCTOR_CACHE_DIR"] == f"{tmp_path}/inductor"
     assert wanted["MPLCONFIGDIR"] == f"{tmp_path}/matplotlib"
     # the job's own environment beats everything: the GPU machines need NVLink multicast off
-    environ = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_DEBUG": "WARN"}
+    environ = {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NCCL_DEBUG": "WARN",
+        "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root",
+    }  # ... but not over the node's scratch folders
     exported, kept = launch.export_env(wanted, environ)
+    assert environ["TORCHINDUCTOR_CACHE_DIR"] == exported["TORCHINDUCTOR_CACHE_DIR"] == f"{tmp_path}/inductor"
     assert environ["NCCL_NVLS_ENABLE"] == "0" and environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert environ["NCCL_DEBUG"] == "WARN" and kept == {"NCCL_NVLS_ENABLE": "0", "NCCL_DEBUG": "WARN"}
     assert exported["NCCL_IB_HCA"] == environ["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"

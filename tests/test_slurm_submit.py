@@ -31,13 +31,6 @@ SYSTEM = "configs/systems/cpu_02x02.yaml"
 ENGINES = pytest.mark.parametrize("engine", ["podman", "apptainer"], indirect=True)
 
 
-def job_env(env: dict | None = None) -> dict:
-    """The submitting shell's environment, without what this test process's torch wrote into its own: inductor
-    sets TORCHINDUCTOR_CACHE_DIR to its default under /tmp when first used, and a job keeps a variable it
-    inherits (a read-only /tmp in apptainer then stops every worker)."""
-    return {k: v for k, v in (env or os.environ).items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-
-
 def submit(tmp_path: Path, *args: str, env: dict | None = None, config: str = SYSTEM) -> str:
     out = subprocess.run(
         [
@@ -58,7 +51,7 @@ def submit(tmp_path: Path, *args: str, env: dict | None = None, config: str = SY
         capture_output=True,
         text=True,
         timeout=60,
-        env=job_env(env),
+        env=env,
     )
     assert out.returncode == 0, out.stderr
     job = re.search(r"submitted job (?:array )?(\d+)", out.stdout).group(1)
