@@ -8,10 +8,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.chdir(ROOT)  # configs/ paths in tests are relative to the repository root
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # Triton kernels run in Triton's CPU interpreter (tests/test_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a GPU (run on the device machine)")

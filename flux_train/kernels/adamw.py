@@ -17,13 +17,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # CPU-only installs
-    HAVE_TRITON = False
+from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on, tl, triton
 
 
 def _scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
@@ -76,7 +70,13 @@ if HAVE_TRITON:
         tl.store(OUT + offs, p.to(OUT.dtype.element_ty), mask=mask)
 
 
-def adamw_step(
+def adamw_step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, **hyper) -> None:
+    """One AdamW step on 1-D tensors of equal length (see module docstring): Triton on a GPU, torch elsewhere."""
+    step = adamw_step_triton if HAVE_TRITON and master.is_cuda else adamw_step_torch
+    step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, **hyper)
+
+
+def adamw_step_triton(
     master,
     exp_avg,
     exp_avg_sq,
@@ -91,22 +91,8 @@ def adamw_step(
     weight_decay: float,
     step: int,
 ) -> None:
-    """One AdamW step on 1-D tensors of equal length (see module docstring); Triton on a GPU."""
-    if not (HAVE_TRITON and master.is_cuda):
-        return adamw_step_torch(
-            master,
-            exp_avg,
-            exp_avg_sq,
-            grad,
-            out,
-            grad_coef,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-            step=step,
-        )
+    if not kernels_run_on(master.device):
+        raise RuntimeError(f"the Triton AdamW kernel cannot run on {master.device} here (no Triton, or no GPU)")
     n = master.numel()
     step_size, bc2_sqrt = _scalars(lr, beta1, beta2, step)
     block = 2048

@@ -10,14 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-try:  # Triton ships with CUDA/ROCm builds of torch only
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on, tl, triton
 
-    HAVE_TRITON = True
-except ImportError:  # CPU-only installs
-    HAVE_TRITON = False
+if HAVE_TRITON:
+    from torch.library import triton_op, wrap_triton
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -125,14 +121,11 @@ if HAVE_TRITON:
     _rmsnorm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def triton_available(device: torch.device | str) -> bool:
-    return HAVE_TRITON and torch.device(device).type == "cuda"
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
-    use_triton = impl == "triton" or (impl == "auto" and triton_available(x.device))
+    """`impl`: auto (Triton on a GPU, torch elsewhere), triton, or torch."""
+    use_triton = impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda)
     if use_triton:
-        if not triton_available(x.device):
+        if not kernels_run_on(x.device):
             raise RuntimeError("perf.rmsnorm=triton needs a GPU and Triton; use perf.rmsnorm=auto or torch")
         return _rmsnorm_fwd(x.contiguous(), weight, eps)[0]
     return rms_norm_torch(x, weight, eps)

@@ -1,0 +1,82 @@
+"""Our Triton kernels (RMSNorm forward/backward, one-pass AdamW) against references, on the GPU where there is
+one, else in Triton's CPU interpreter (conftest sets TRITON_INTERPRET=1 on hosts without a GPU). Without Triton
+installed these skip, and fail under CI=1 (CI installs Triton through the dev extra)."""
+
+import os
+
+import pytest
+import torch
+
+from flux_train.kernels import rms_norm, rms_norm_torch
+from flux_train.kernels.adamw import adamw_step_triton
+from flux_train.kernels.triton_support import kernels_run_on
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the kernels' low-precision outputs: Triton's interpreter rounds to bf16 by truncation where GPUs round to
+# nearest, so on the CPU the same kernels write fp32 and the checks hold the math to fp32
+LOW = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+# relative tolerance unit: bf16's rounding on a GPU; in fp32, the fp32 sums over rows set the floor
+EPS = torch.finfo(LOW).eps if LOW == torch.bfloat16 else 2**-16
+
+if not kernels_run_on(DEVICE):
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must test the Triton kernels: install Triton (pip install -e '.[dev]')")
+    pytest.skip("no Triton here (pip install triton, or run on a GPU)", allow_module_level=True)
+
+
+def reference64(x, w, eps):
+    x64, w64 = x.double(), w.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64
+
+
+@pytest.mark.parametrize("shape", [(2, 512, 24, 128), (3, 77, 128), (1, 5, 64), (4096, 256), (7, 3, 2, 96)])
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 30.0])
+def test_triton_rmsnorm_forward_backward_vs_float64(shape, scale):
+    g = torch.Generator(device=DEVICE).manual_seed(hash((shape, scale)) % 2**31)
+    d = shape[-1]
+    x = (torch.randn(shape, device=DEVICE, generator=g) * scale).to(LOW).requires_grad_()
+    w = (1 + 0.1 * torch.randn(d, device=DEVICE, generator=g)).to(LOW).requires_grad_()
+    dy = torch.randn(shape, device=DEVICE, generator=g).to(LOW)
+    y = rms_norm(x, w, 1e-6, impl="triton")
+    y.backward(dy)
+
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    yr = reference64(xr, wr, 1e-6)
+    yr.backward(dy.double())
+    # output: one rounding of an fp32 result
+    torch.testing.assert_close(y.double(), yr, rtol=EPS, atol=EPS * scale / 1000)
+    # dx: fp32 math, one rounding; dW sums over rows in fp32 then rounds once
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=2 * EPS, atol=EPS * xr.grad.abs().max().item() / 4)
+    torch.testing.assert_close(w.grad.double(), wr.grad, rtol=2 * EPS, atol=EPS * wr.grad.abs().max().item() / 8)
+    # and no worse than the torch fallback against the same reference
+    y_torch = rms_norm_torch(x.detach(), w.detach(), 1e-6)
+    assert (y.double() - yr).abs().max() <= (y_torch.double() - yr).abs().max() * 1.5 + 1e-6
+
+
+@pytest.mark.parametrize("n", [1, 4097, 3_000_000 if DEVICE == "cuda" else 300_000])
+def test_triton_adamw_matches_torch_adamw_with_clipping(n):
+    """Our one-pass AdamW (bf16 grads, fp32 master and moments, bf16 copy out, clip factor on the device) against
+    torch.optim.AdamW on fp32 copies after clipping the same way, over 5 steps with weight decay."""
+
+    g = torch.Generator(device=DEVICE).manual_seed(n)
+    master = torch.randn(n, device=DEVICE, generator=g)
+    ref = torch.nn.Parameter(master.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    m, v, out = (
+        torch.zeros_like(master),
+        torch.zeros_like(master),
+        torch.full((n,), float("nan"), device=DEVICE, dtype=LOW),
+    )
+    for step in range(1, 6):
+        grad = (torch.randn(n, device=DEVICE, generator=g) * 3).bfloat16()
+        coef = torch.tensor([0.5 if step % 2 else 1.0], device=DEVICE)  # clipping on every other step
+        adamw_step_triton(
+            master, m, v, grad, out, coef, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step
+        )
+        ref.grad = grad.float() * coef
+        opt.step()
+        torch.testing.assert_close(master, ref.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(out, master.to(LOW))
+    # torch's lerp switches formula at weight 0.5: the moments agree to fp32 rounding of the larger terms
+    torch.testing.assert_close(m, opt.state[ref]["exp_avg"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v, opt.state[ref]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
