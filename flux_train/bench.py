@@ -325,42 +325,51 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, dict | None, float]:
 
 def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
     """Seconds to save (blocking, and async: until training resumes, then until written), to load, and the step
-    time while an async save is being written, for this trainer's full state."""
+    time while an async save is being written, for this trainer's full state. Each figure is printed on rank 0
+    as it is measured (`CHECKPOINT key value`), so a run cut short by a time limit still reports what it got;
+    the GB/s rates carry the figures over to a larger model on the same disk."""
     from pathlib import Path
 
     from flux_train import checkpoint
+
+    out: dict = {"step_ms": round(step_seconds * 1000, 1)}
+
+    def report(key, value):
+        out[key] = value
+        if dist.get_rank() == 0:
+            print(f"CHECKPOINT {key} {value}", flush=True)
 
     def clock(fn):
         torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        out = fn()
+        result = fn()
         torch.cuda.synchronize()
         dist.barrier()
-        return out, round(time.perf_counter() - t0, 2)
+        return result, round(time.perf_counter() - t0, 2)
 
     root = Path(args.checkpoint)
     progress = {"step": 0, "eval_count": 0, "world_size": dist.get_world_size(), "strategy": trainer.training.strategy}
     loader = trainer.data.train.state_dict()
     blocking = checkpoint.Checkpointer(root / "sync", keep=1)
     path, save_s = clock(lambda: blocking.save(1, trainer.training, loader, progress))
+    size_gb = round(sum(f.stat().st_size for f in path.iterdir()) / 1e9, 1)
+    report("checkpoint_gb", size_gb)
+    report("save_s", save_s)
+    report("write_gb_per_s", round(size_gb / max(save_s, 1e-3), 2))
     _, load_s = clock(lambda: checkpoint.load(path, trainer.training))
-    size_gb = sum(f.stat().st_size for f in path.iterdir()) / 1e9
+    report("load_s", load_s)
+    report("read_gb_per_s", round(size_gb / max(load_s, 1e-3), 2))
     shutil_rmtree(root / "sync")
     background = checkpoint.Checkpointer(root / "async", keep=1, async_save=True)
     _, async_block_s = clock(lambda: background.save(1, trainer.training, loader, progress))
+    report("async_blocking_s", async_block_s)
     in_flight, _ = timed(trainer.train_step, args.steps, warmup=0)
+    report("step_ms_while_writing", round(in_flight * 1000, 1))
     _, async_finish_s = clock(background.wait)
+    report("async_wait_after_steps_s", async_finish_s)
     shutil_rmtree(root / "async")
-    return {
-        "checkpoint_gb": round(size_gb, 1),
-        "save_s": save_s,
-        "load_s": load_s,
-        "async_blocking_s": async_block_s,
-        "async_wait_after_steps_s": async_finish_s,
-        "step_ms": round(step_seconds * 1000, 1),
-        "step_ms_while_writing": round(in_flight * 1000, 1),
-    }
+    return out
 
 
 def shutil_rmtree(path) -> None:

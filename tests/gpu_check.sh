@@ -7,6 +7,10 @@
 #   bash tests/gpu_check.sh fp8-numerics   300 steps bf16 vs FP8 on a learnable synthetic stream (1 GPU, reduced depth)
 #   bash tests/gpu_check.sh step       full flux-schnell training step on all GPUs: stock FSDP2 vs ours (fsdp, ddp,
 #                                      FP8, accumulation 4, graphs), profiles, eval rate, step efficiency refs
+#   bash tests/gpu_check.sh checkpoint save/load and async-save timings of the trainer's full state on all GPUs,
+#                                      flux-schnell's width at reduced depth (the 12B state, ~167 GB, is larger
+#                                      than some machines' disks); the GB/s rates carry over to the full model
+# Each bench command is cut off after STAGE_TIMEOUT seconds (default 420), so one hang does not take the call.
 # Stages can be combined: bash tests/gpu_check.sh tests fwdbwd
 set -u
 OUT=${OUT:-runs/gpu_check}
@@ -15,8 +19,9 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # what the nvidia env profile sets on Slurm
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 ROWS="$OUT/rows.jsonl"
-bench() { python3 -m flux_train.bench --json "$ROWS" "$@"; }
-tbench() { torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.bench --json "$ROWS" "$@"; }
+LIMIT=${STAGE_TIMEOUT:-420}
+bench() { timeout "$LIMIT" python3 -m flux_train.bench --json "$ROWS" "$@"; }
+tbench() { timeout "$LIMIT" torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.bench --json "$ROWS" "$@"; }
 log() { echo "[$(date +%T)] $*"; }
 
 for stage in "$@"; do
@@ -94,6 +99,13 @@ EOF
     NCCL_PROTO=Simple tbench $STEP --rows ours --set parallel.strategy=ddp --set perf.fp8=tensorwise \
       --set perf.fp8_impl=torchao > "$OUT/step_simple.log" 2>&1 || log "simple step failed"
     log "step-more stage done" ;;
+  checkpoint)
+    tbench --mode step --config configs/systems/H200_01x08.yaml --rows ours --set parallel.strategy=ddp \
+      --set train.micro_batch_size=8 --set model.num_layers="${CKPT_DOUBLE:-2}" \
+      --set model.num_single_layers="${CKPT_SINGLE:-4}" --steps 5 --checkpoint "${CKPT_DIR:-/tmp/flux_ckpt_bench}" \
+      > "$OUT/checkpoint.log" 2>&1 || log "checkpoint bench failed: see checkpoint.log"
+    grep "^CHECKPOINT" "$OUT/checkpoint.log" | tee "$OUT/checkpoint.txt"
+    log "checkpoint stage done" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
