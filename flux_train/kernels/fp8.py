@@ -9,8 +9,13 @@ so the recipe's numerics can be checked anywhere. Shapes with a dimension not di
 
 The e4m3 format depends on the GPU: OCP `float8_e4m3fn` (max 448) on NVIDIA Hopper/Blackwell and AMD gfx950
 (MI355X), `float8_e4m3fnuz` (max 240, no negative zero) on AMD gfx942 (MI300X/MI325X), whose matrix cores
-reject the OCP format. The casts and the transposes the backward GEMMs need are elementwise code that
-torch.compile fuses into the blocks' kernels (one read of each operand for amax, one fused scale+cast+copy).
+reject the OCP format.
+
+FP8 tensor cores take both operands K-major, so every operand is needed in two layouts (X and W^T forward, dY
+and W for dX, dY^T and X^T for dW). Tensorwise, each operand is cast once into both: `cast_transpose` (one
+Triton kernel on a GPU: reads the high-precision tile once, writes the e4m3 tile and its transpose) after an
+amax pass that torch.compile fuses into the operand's producer. A 1-byte transpose as a separate copy reads
+and writes with the wrong stride on one side and ran far below the memory rate on an H200.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on, tl, triton
+
+if HAVE_TRITON:
+    from torch.library import triton_op, wrap_triton
 
 E4M3 = torch.float8_e4m3fn
 
@@ -36,13 +46,70 @@ def device_e4m3(device: torch.device) -> torch.dtype:
     return e4m3_dtype(None)
 
 
+def scale_of(x: torch.Tensor, dim: int | None, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """fp32 scales: amax over `dim` (None = the whole tensor, a 0-dim scale) / the format's max."""
+    xf = x.float().abs()
+    amax = xf.amax() if dim is None else xf.amax(dim=dim, keepdim=True)
+    return amax.clamp(min=1e-12) / torch.finfo(dtype).max
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
 def quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, fp32 scale) with x ~= values * scale; amax over `dim` (None = whole tensor)."""
-    fmax = torch.finfo(dtype).max
-    xf = x.float()
-    amax = xf.abs().amax() if dim is None else xf.abs().amax(dim=dim, keepdim=True)
-    scale = amax.clamp(min=1e-12) / fmax
-    return (xf / scale).clamp(-fmax, fmax).to(dtype), scale
+    scale = scale_of(x, dim, dtype)
+    return cast(x, scale, dtype), scale
+
+
+def cast_transpose_torch(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`cast(x)`, the same transposed and row-major) for a 2-D x."""
+    q = cast(x, scale, dtype)
+    return q, q.t().contiguous()
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _cast_transpose_kernel(X, Q, QT, SCALE, M, N, fmax, BM: tl.constexpr, BN: tl.constexpr):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(X + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, tl.load(SCALE)), -fmax, fmax).to(Q.dtype.element_ty)
+        tl.store(Q + rows[:, None].to(tl.int64) * N + cols[None, :], q, mask=mask)
+        tl.store(QT + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+
+    @triton_op("flux_train::fp8_cast_transpose", mutates_args=())
+    def _cast_transpose(
+        x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, storage: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        m, n = x.shape
+        q = torch.empty(m, n, device=x.device, dtype=storage)
+        qt = torch.empty(n, m, device=x.device, dtype=storage)
+        block = 64
+        wrap_triton(_cast_transpose_kernel)[(triton.cdiv(m, block), triton.cdiv(n, block))](
+            x, q, qt, scale, m, n, torch.finfo(dtype).max, BM=block, BN=block
+        )
+        return q, qt
+
+
+def cast_transpose_triton(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, storage: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel; `storage` other than `dtype` writes the clamped values unconverted (fp32), which is how
+    the tests check it under Triton's CPU interpreter, whose e4m3 conversion is not faithful."""
+    if not kernels_run_on(x.device):
+        raise RuntimeError(f"the Triton cast kernel cannot run on {x.device} here (no Triton, or no GPU)")
+    return _cast_transpose(x.contiguous(), scale, dtype, storage or dtype)
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M,K] -> (e4m3 x / scale [M,K], its transpose [K,M]), both row-major: one kernel on a GPU."""
+    impl = cast_transpose_triton if HAVE_TRITON and x.is_cuda else cast_transpose_torch
+    return impl(x, scale, dtype)
 
 
 def _column_major(x: torch.Tensor) -> torch.Tensor:
@@ -69,28 +136,37 @@ def _dims(recipe: str, dim: int) -> int | None:
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
-        xq, xs = quantize(x2, _dims(recipe, 1), dtype)  # per token
-        wq, ws = quantize(weight, _dims(recipe, 1), dtype)  # per output channel
         ctx.recipe, ctx.weight_dtype, ctx.dtype = recipe, weight.dtype, dtype
-        # tensorwise scales serve the backward GEMMs too: keep the e4m3 copies (half the bytes, no second cast);
+        if recipe == "tensorwise":
+            # the scales serve the backward GEMMs too: cast each operand once into both layouts and keep the
+            # transposes the backward needs (e4m3: half the bytes of the high-precision operands)
+            xs, ws = scale_of(x2, None, dtype), scale_of(weight, None, dtype)
+            xq, xq_t = cast_transpose(x2, xs, dtype)
+            wq, wq_t = cast_transpose(weight, ws, dtype)
+            ctx.save_for_backward(xq_t, xs, wq_t, ws)
+            return scaled_mm(xq, xs, wq.t(), ws)
         # rowwise backward scales run along the other axis and need the high-precision operands
-        ctx.save_for_backward(*((xq, xs, wq, ws) if recipe == "tensorwise" else (x2, weight)))
-        return scaled_mm(xq, xs, wq.t(), ws.t() if ws.dim() else ws)
+        xq, xs = quantize(x2, 1, dtype)  # per token
+        wq, ws = quantize(weight, 1, dtype)  # per output channel
+        ctx.save_for_backward(x2, weight)
+        return scaled_mm(xq, xs, wq.t(), ws.t())
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         if ctx.recipe == "tensorwise":
-            xq, xs, wq, ws = ctx.saved_tensors
-            dyq, dys = dyq0, dys0 = quantize(dy, None, ctx.dtype)
-            xq0, xs0 = xq, xs
-        else:
-            x2, weight = ctx.saved_tensors
-            wq, ws = quantize(weight, 0, ctx.dtype)  # per input channel (over N)
-            dyq, dys = quantize(dy, 1, ctx.dtype)  # per token (over N)
-            dyq0, dys0 = quantize(dy, 0, ctx.dtype)  # per column, over the tokens
-            xq0, xs0 = quantize(x2, 0, ctx.dtype)
+            xq_t, xs, wq_t, ws = ctx.saved_tensors
+            dys = scale_of(dy, None, ctx.dtype)
+            dyq, dyq_t = cast_transpose(dy, dys, ctx.dtype)
+            dx = scaled_mm(dyq, dys, wq_t.t(), ws)  # dX = dY @ W, W as [N,K] column-major
+            dw = scaled_mm(dyq_t, dys, xq_t.t(), xs)  # dW = dY^T @ X, X as [M,K] column-major
+            return dx, dw.to(ctx.weight_dtype), None, None
+        x2, weight = ctx.saved_tensors
+        wq, ws = quantize(weight, 0, ctx.dtype)  # per input channel (over N)
+        dyq, dys = quantize(dy, 1, ctx.dtype)  # per token (over N)
+        dyq0, dys0 = quantize(dy, 0, ctx.dtype)  # per column, over the tokens
+        xq0, xs0 = quantize(x2, 0, ctx.dtype)
         dx = scaled_mm(dyq, dys, _column_major(wq), ws)  # dX = dY @ W
-        dw = scaled_mm(dyq0.t().contiguous(), dys0.t() if dys0.dim() else dys0, _column_major(xq0), xs0)  # dY^T X
+        dw = scaled_mm(dyq0.t().contiguous(), dys0.t(), _column_major(xq0), xs0)  # dY^T X
         return dx, dw.to(ctx.weight_dtype), None, None
 
 
