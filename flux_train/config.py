@@ -137,6 +137,7 @@ class ParallelConfig:
 @dataclass
 class PerfConfig:
     compile: Literal["none", "block"] = "none"
+    # the whole optimizer step (micro-batches, reduction, AdamW, all-gathers) as one CUDA graph (ddp only)
     cuda_graphs: bool = False
     rmsnorm: Literal["auto", "triton", "torch"] = "auto"
     attention: Literal["flash", "efficient", "cudnn", "math", "auto"] = "flash"
@@ -444,6 +445,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         not cfg.perf.cuda_graphs or p.strategy == "ddp",
         "perf.cuda_graphs: FSDP2 gathers weights into fresh buffers every step, which a CUDA graph cannot "
         "replay; set parallel.strategy=ddp (weights and gradient buffers stay in place)",
+    )
+    need(
+        not (cfg.perf.cuda_graphs and t.inject_nan_at_step),
+        "train.inject_nan_at_step: a captured step replays without the hook; set perf.cuda_graphs=false to test it",
     )
     need(
         not cfg.perf.cuda_graphs or cfg.perf.warmup_iters >= 1,

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from flux_train.config import TrainConfig
-from flux_train.kernels.adamw import adamw_step
+from flux_train.kernels.adamw import adamw_hyper, adamw_step
 from flux_train.model import block_stacks, canonical_name
 
 ALIGN = 128  # elements: every parameter and every rank's slice of a bucket starts 256-byte aligned (bf16)
@@ -82,8 +82,9 @@ def _bucket_modules(model: nn.Module) -> list[tuple[nn.Module | None, list[tuple
 class DDP:
     """Owns the model's weights, gradients and optimizer state in the layout above.
 
-    Per optimizer step: `start_micro_batch(i, n)` before each micro-batch's forward, `finish_backward()` after
-    the last backward, then `step(lr)`; the next forward waits for the gathered weights by itself."""
+    Per optimizer step: `begin_step(lr)` (host only), `start_micro_batch(i, n)` before each micro-batch's
+    forward, `finish_backward()` after the last backward, then `step()`; the next forward waits for the gathered
+    weights by itself. Everything after begin_step is device work a CUDA graph can capture."""
 
     strategy = "ddp"
 
@@ -108,6 +109,7 @@ class DDP:
         self.master = torch.zeros(master_numel, device=device)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
+        self.hyper = torch.zeros(3, device=device)  # this step's AdamW scalars (kernels.adamw.adamw_hyper)
         self.steps = 0
         self._first = self._last = True
         self._reductions: list[dist.Work] = []
@@ -197,8 +199,15 @@ class DDP:
             for work in works:
                 work.wait()
 
+    def begin_step(self, lr: float) -> None:
+        """This step's learning rate and count into the device tensor the optimizer kernels read."""
+        t = self.tcfg
+        self.steps += 1
+        for i, value in enumerate(adamw_hyper(lr, t.adam_beta1, t.adam_beta2, t.weight_decay, self.steps)):
+            self.hyper[i].fill_(value)
+
     @torch.no_grad()
-    def step(self, lr: float) -> torch.Tensor:
+    def step(self) -> torch.Tensor:
         """Clip by the global gradient norm and take an AdamW step; returns the pre-clip norm (device tensor).
         The updated weights are all-gathered asynchronously."""
         t = self.tcfg
@@ -208,7 +217,6 @@ class DDP:
             dist.all_reduce(sq, group=self.shard_group)
         norm = sq.sqrt() / self.world
         coef = (t.grad_clip_norm / (norm + 1e-6)).clamp(max=1.0) / self.world
-        self.steps += 1
         for bucket in self.buckets:
             start, n = bucket.master_offset, bucket.shard_numel
             adamw_step(
@@ -218,12 +226,10 @@ class DDP:
                 bucket.grad_shard,
                 bucket.weight_shard,
                 coef,
-                lr=lr,
+                self.hyper,
                 beta1=t.adam_beta1,
                 beta2=t.adam_beta2,
                 eps=t.adam_eps,
-                weight_decay=t.weight_decay,
-                step=self.steps,
             )
             if self.shards > 1:
                 bucket.gather = _all_gather(bucket.weights, bucket.weight_shard, group=self.shard_group, async_op=True)

@@ -119,7 +119,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, param_
 
 class FSDPTraining:
     """`parallel.strategy: fsdp`: FSDP2 over the mesh, torch's fused AdamW on the sharded fp32 weights.
-    Same interface as flux_train.ddp.DDP (start_micro_batch, finish_backward, step, ...)."""
+    Same interface as flux_train.ddp.DDP (begin_step, start_micro_batch, finish_backward, step, ...)."""
 
     strategy = "fsdp"
 
@@ -150,8 +150,10 @@ class FSDPTraining:
     def finish_backward(self) -> None:
         pass
 
-    def step(self, lr: float) -> torch.Tensor:
+    def begin_step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
+
+    def step(self) -> torch.Tensor:
         norm = clip_grad_norm(self.model, self.tcfg.grad_clip_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -7,13 +7,13 @@
   per block stack measured 1.02x of this on one H200, and cannot hold those per-block hooks).
 - `perf.fp8`: the blocks' token GEMMs (model.is_token_linear) in FP8, with our kernels (flux_train.kernels.fp8)
   or torchao's Float8Linear (`perf.fp8_impl=torchao`).
-- `CudaGraph`: a callable captured once and replayed; the trainer captures each micro-batch's forward +
-  backward (parallel.strategy=ddp, whose weights and gradient buffers never move).
+- `CudaGraph`: a callable captured once and replayed; the trainer captures its whole optimizer step
+  (parallel.strategy=ddp, whose weights, gradient buffers and optimizer state never move).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -60,24 +60,22 @@ def compile_blocks(model: nn.Module, mode: str) -> nn.Module:
 class CudaGraph:
     """`fn()` captured once -- after `warmup` eager runs on a side stream (compile, autotune, workspaces) -- and
     replayed by each call. `fn` reads its inputs from tensors the caller updates in place; the warm-up runs
-    really execute, so capture only where their side effects do not count (before run_start, lr 0).
-    Graphs that never replay concurrently can share one memory `pool`."""
+    really execute, so capture only where their side effects do not count (before run_start, lr 0)."""
 
-    def __init__(self, fn: Callable[[], torch.Tensor], warmup: int = 1, pool=None):
+    def __init__(self, fn: Callable[[], Any], warmup: int = 1):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(warmup):
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the eager runs' cached blocks back, so the graph's own pool can have them
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog and loader threads keep polling CUDA while this thread captures
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.output = fn()
 
-    def pool(self):
-        return self.graph.pool()
-
-    def __call__(self) -> torch.Tensor:
+    def __call__(self) -> Any:
         self.graph.replay()
         return self.output

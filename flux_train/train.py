@@ -140,10 +140,10 @@ class Trainer:
         self.training = build_training(model, self.dist.mesh, cfg.parallel, t, self.dtype, self.device)
         self.model = self.training.model
         self.training.assign_weights(initial)
-        # CUDA graphs of forward + backward, one per micro-batch position (first/middle/last), captured during
-        # warm-up; the inputs live in static buffers
-        self.graphs: dict[tuple[bool, bool], CudaGraph] = {}
-        self.static: tuple[dict, torch.Tensor] | None = None
+        # perf.cuda_graphs: the whole step as one CUDA graph, captured during warm-up, reading every
+        # micro-batch's inputs from static buffers
+        self.step_graph: CudaGraph | None = None
+        self.static: list[tuple[dict, torch.Tensor]] = []
         self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
         self.empty_t5 = self.data.empty_t5.to(self.device)
         self.empty_clip = self.data.empty_clip.to(self.device)
@@ -239,27 +239,6 @@ class Trainer:
             self.training.finish_backward()
         return loss.detach()
 
-    def _graphed_forward_backward(self, inputs: dict, target: torch.Tensor, micro: int) -> torch.Tensor:
-        if self.static is None:
-            self.static = ({k: v.clone() for k, v in inputs.items()}, target.clone())
-        static_inputs, static_target = self.static
-        for k, v in inputs.items():
-            if v.shape != static_inputs[k].shape:
-                raise DataError(
-                    f"perf.cuda_graphs: batch input '{k}' has shape {tuple(v.shape)}, the captured "
-                    f"graphs {tuple(static_inputs[k].shape)} (perf.warmup_latent_size and the empty "
-                    "encodings' text length must match the data)"
-                )
-            static_inputs[k].copy_(v)
-        static_target.copy_(target)
-        kind = (micro == 0, micro == self.accum - 1)
-        if kind not in self.graphs:
-            pool = next(iter(self.graphs.values())).pool() if self.graphs else None
-            self.graphs[kind] = CudaGraph(
-                lambda: self._forward_backward(static_inputs, static_target, micro), pool=pool
-            )
-        return self.graphs[kind]().clone()
-
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
         self.heartbeat.beat(self.step + 1, "train")
@@ -268,20 +247,54 @@ class Trainer:
         )
 
     def _step(self, next_batch, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-        loss_sum = torch.zeros((), device=self.device)
+        graphed = self.cfg.perf.cuda_graphs
+        self.training.begin_step(lr)
         data_wait = 0.0
-        if self.cfg.perf.cuda_graphs:  # a replay does not run the gather waits of the forward hooks
-            self.training.wait_params()
+        staged, losses = [], []
         for micro in range(self.accum):
             t0 = time.perf_counter()
             batch = next_batch()
             data_wait += time.perf_counter() - t0
             inputs, target = self._inputs(batch, micro)
-            run = self._graphed_forward_backward if self.cfg.perf.cuda_graphs else self._forward_backward
-            loss_sum += run(inputs, target, micro)
-        grad_norm = self.training.step(lr)
+            if graphed:
+                staged.append((inputs, target))
+            else:
+                losses.append(self._forward_backward(inputs, target, micro))
+        if graphed:
+            loss_sum, grad_norm = self._replay_step(staged)
+        else:
+            loss_sum, grad_norm = sum(losses), self.training.step()
         self.step += 1
         return loss_sum, grad_norm, data_wait
+
+    def _replay_step(self, staged: list[tuple[dict, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step as one CUDA graph: every micro-batch's forward and backward, the gradient reduction,
+        clipping, AdamW and the weight all-gathers, with no host work between kernels. Captured at the first
+        call (in the warm-up, lr 0: the capture's eager run and the replay change no weight)."""
+        if self.step_graph is None:
+            self.static = [({k: v.clone() for k, v in inputs.items()}, target.clone()) for inputs, target in staged]
+            self.step_graph = CudaGraph(self._device_step)
+        else:
+            for (inputs, target), (static_inputs, static_target) in zip(staged, self.static):
+                for k, v in inputs.items():
+                    if v.shape != static_inputs[k].shape:
+                        raise DataError(
+                            f"perf.cuda_graphs: batch input '{k}' has shape {tuple(v.shape)}, the captured "
+                            f"graph {tuple(static_inputs[k].shape)} (perf.warmup_latent_size and the empty "
+                            "encodings' text length must match the data)"
+                        )
+                    static_inputs[k].copy_(v)
+                static_target.copy_(target)
+        loss_sum, grad_norm = self.step_graph()
+        return loss_sum.clone(), grad_norm.clone()
+
+    def _device_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum = torch.zeros((), device=self.device)
+        for micro, (inputs, target) in enumerate(self.static):
+            loss_sum += self._forward_backward(inputs, target, micro)
+        grad_norm = self.training.step()
+        self.training.wait_params()  # the all-gathers end inside the graph
+        return loss_sum, grad_norm
 
     def warm_up(self, iters: int) -> None:
         """Compile, tune and capture graphs before run_start on synthetic tensors (the rules start the clock

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, by stage (logs under $OUT, a short summary printed last):
-#   bash tests/gpu_check.sh tests      GPU tests (Triton kernels vs references in bf16, graphed vs eager), 1 GPU
+#   bash tests/gpu_check.sh tests      GPU tests (Triton kernels vs references in bf16, graphed vs eager on 1 and 2 GPUs)
 #   bash tests/gpu_check.sh fwdbwd     one-GPU forward+backward bench, stock vs ours, FP8 (ours, torchao), ablations
 #   bash tests/gpu_check.sh graphs     the trainer with/without CUDA graphs at micro-batch 16 and 4 (1 GPU,
 #                                      flux-schnell's width at 6+12 blocks: the 12B model's optimizer needs 2 GPUs)
@@ -27,7 +27,7 @@ log() { echo "[$(date +%T)] $*"; }
 for stage in "$@"; do
   case $stage in
   tests)
-    CUDA_VISIBLE_DEVICES=0 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m "gpu or not slow" tests/test_kernels.py tests/test_gpu.py tests/test_fp8.py \
+    timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -m "gpu or not slow" tests/test_kernels.py tests/test_gpu.py tests/test_fp8.py \
       -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     log "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")" ;;
   fwdbwd)

@@ -123,6 +123,26 @@ BAD_INPUTS = [
         [*DEBUG, "--set", "data.source=synthetic", "--set", "data.synthetic_val_samples=100"],
         "data.synthetic_val_samples 100 >",
     ),
+    (
+        "train-graphs-with-fsdp",
+        TRAIN,
+        [*DEBUG, "--set", "perf.cuda_graphs=true", "--set", "parallel.strategy=fsdp"],
+        "set parallel.strategy=ddp",
+    ),
+    (
+        "train-graphs-skip-the-nan-hook",
+        TRAIN,
+        [
+            *DEBUG,
+            "--set",
+            "perf.cuda_graphs=true",
+            "--set",
+            "parallel.strategy=ddp",
+            "--set",
+            "train.inject_nan_at_step=3",
+        ],
+        "train.inject_nan_at_step: a captured step replays without the hook",
+    ),
     ("train-mesh-does-not-fit", TRAIN, [*DEBUG, "--set", "parallel.dp_shard=3"], "parallel.dp_shard=3 does not divide"),
     (
         "train-resume-from-nothing",

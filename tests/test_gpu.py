@@ -2,6 +2,9 @@
 eager (model and trainer), the attention backend, FP8 on tensor cores against its CPU emulation. The Triton
 kernels' own tests (tests/test_kernels.py) run on a GPU or in Triton's CPU interpreter."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -116,51 +119,46 @@ def test_fp8_linear_on_tensor_cores_matches_its_cpu_emulation(recipe):
         assert ((gpu - cpu).norm() / cpu.norm()).item() < 1e-2
 
 
-def test_trainer_graphed_steps_equal_eager_steps(tmp_path):
-    """perf.cuda_graphs (ddp layout, compiled blocks, accumulation 3 = first/middle/last graphs) trains like the
-    eager step: losses and grad norms over 6 steps."""
-    from flux_train.train import main
-
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
+    """perf.cuda_graphs (ddp layout, compiled blocks, accumulation 3, the whole step in one graph: on 2 GPUs with
+    the reduce-scatters, the norm's all-reduce and the all-gathers inside) trains like the eager step: losses
+    and grad norms over 6 steps, the learning rate changing every step (warm-up)."""
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     runs = {}
     for graphs in (False, True):
         out = tmp_path / f"graphs{graphs}"
-        args = [
-            "--config",
-            "configs/debug.yaml",
-            "--set",
-            "data.source=synthetic",
-            "--set",
-            "train.device=cuda",
-            "--set",
-            "train.compute_dtype=bfloat16",
-            "--set",
-            "perf.attention=flash",
-            "--set",
-            "perf.compile=block",
-            "--set",
-            "parallel.strategy=ddp",
-            "--set",
-            f"perf.cuda_graphs={str(graphs).lower()}",
-            "--set",
-            "perf.warmup_iters=1",
-            "--set",
-            "perf.warmup_latent_size=8",
-            "--set",
-            "train.max_steps=6",
-            "--set",
-            "train.micro_batch_size=2",
-            "--set",
-            "train.global_batch_size=6",
-            "--set",
-            "eval.enabled=false",
-            "--set",
-            "logging.log_every=1",
-            "--set",
-            "logging.progress_bar=false",
-            "--set",
-            f"logging.out_dir={out}",
-        ]
-        assert main(args) == 0
+        sets = {
+            "data.source": "synthetic",
+            "train.device": "cuda",
+            "train.compute_dtype": "bfloat16",
+            "perf.attention": "flash",
+            "perf.compile": "block",
+            "parallel.strategy": "ddp",
+            "perf.cuda_graphs": str(graphs).lower(),
+            "perf.warmup_iters": 1,
+            "perf.warmup_latent_size": 8,
+            "train.max_steps": 6,
+            "train.warmup_steps": 4,
+            "train.micro_batch_size": 2,
+            "train.global_batch_size": 6 * nproc,
+            "eval.enabled": "false",
+            "logging.log_every": 1,
+            "logging.progress_bar": "false",
+            "logging.out_dir": out,
+        }
+        args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+        proc = subprocess.run(
+            [*launcher, "-m", "flux_train.train", "--config", "configs/debug.yaml", *args],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[graphs] = (column(out, "loss"), column(out, "grad_norm"))
     assert len(runs[True][0]) == 6
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flux_train.kernels import rms_norm, rms_norm_torch
-from flux_train.kernels.adamw import adamw_step_triton
+from flux_train.kernels.adamw import adamw_hyper, adamw_step_triton
 from flux_train.kernels.fp8 import cast_transpose_triton, device_e4m3, scale_of
 from flux_train.kernels.triton_support import kernels_run_on
 
@@ -71,9 +71,8 @@ def test_triton_adamw_matches_torch_adamw_with_clipping(n):
     for step in range(1, 6):
         grad = (torch.randn(n, device=DEVICE, generator=g) * 3).bfloat16()
         coef = torch.tensor([0.5 if step % 2 else 1.0], device=DEVICE)  # clipping on every other step
-        adamw_step_triton(
-            master, m, v, grad, out, coef, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step
-        )
+        hyper = torch.tensor(adamw_hyper(1e-3, 0.9, 0.95, 0.1, step), device=DEVICE)
+        adamw_step_triton(master, m, v, grad, out, coef, hyper, beta1=0.9, beta2=0.95, eps=1e-8)
         ref.grad = grad.float() * coef
         opt.step()
         torch.testing.assert_close(master, ref.detach(), rtol=1e-5, atol=1e-6)

@@ -20,42 +20,31 @@ import torch
 from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on, tl, triton
 
 
-def _scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
-    """(step size lr / bias_correction1, sqrt(bias_correction2)) at 1-based `step`."""
-    return lr / (1 - beta1**step), math.sqrt(1 - beta2**step)
+def adamw_hyper(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> tuple[float, float, float]:
+    """What changes from step to step, at 1-based `step`: (step size lr / bias_correction1, sqrt(bias_correction2),
+    decay factor 1 - lr * weight_decay). The kernels read these from a 3-element fp32 device tensor, so a
+    captured CUDA graph of the step takes each step's values from there."""
+    return lr / (1 - beta1**step), math.sqrt(1 - beta2**step), 1 - lr * weight_decay
 
 
 @torch.no_grad()
-def adamw_step_torch(
-    master,
-    exp_avg,
-    exp_avg_sq,
-    grad,
-    out,
-    grad_coef,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-) -> None:
-    step_size, bc2_sqrt = _scalars(lr, beta1, beta2, step)
+def adamw_step_torch(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, *, beta1, beta2, eps) -> None:
+    step_size, bc2_sqrt, decay = hyper
     g = grad.to(master.dtype) * grad_coef
-    master.mul_(1 - lr * weight_decay)
+    master.mul_(decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    master.addcdiv_(exp_avg, (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
+    master.sub_(exp_avg / (exp_avg_sq.sqrt() / bc2_sqrt + eps) * step_size)
     out.copy_(master)
 
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _adamw_kernel(P, M, V, G, OUT, COEF, n, lr, decay, beta1, beta2, step_size, bc2_sqrt, eps, BLOCK: tl.constexpr):
+    def _adamw_kernel(P, M, V, G, OUT, COEF, HYPER, n, beta1, beta2, eps, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
+        step_size, bc2_sqrt, decay = tl.load(HYPER), tl.load(HYPER + 1), tl.load(HYPER + 2)
         g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(COEF)
         p = tl.load(P + offs, mask=mask, other=0.0)
         m = tl.load(M + offs, mask=mask, other=0.0)
@@ -70,47 +59,18 @@ if HAVE_TRITON:
         tl.store(OUT + offs, p.to(OUT.dtype.element_ty), mask=mask)
 
 
-def adamw_step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, **hyper) -> None:
-    """One AdamW step on 1-D tensors of equal length (see module docstring): Triton on a GPU, torch elsewhere."""
+def adamw_step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, **betas_eps) -> None:
+    """One AdamW step on 1-D tensors of equal length (see module docstring): Triton on a GPU, torch elsewhere.
+    `hyper`: the fp32 device tensor of `adamw_hyper`'s values; keywords beta1, beta2, eps."""
     step = adamw_step_triton if HAVE_TRITON and master.is_cuda else adamw_step_torch
-    step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, **hyper)
+    step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, **betas_eps)
 
 
-def adamw_step_triton(
-    master,
-    exp_avg,
-    exp_avg_sq,
-    grad,
-    out,
-    grad_coef,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-) -> None:
+def adamw_step_triton(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, *, beta1, beta2, eps) -> None:
     if not kernels_run_on(master.device):
         raise RuntimeError(f"the Triton AdamW kernel cannot run on {master.device} here (no Triton, or no GPU)")
     n = master.numel()
-    step_size, bc2_sqrt = _scalars(lr, beta1, beta2, step)
     block = 2048
     _adamw_kernel[(triton.cdiv(n, block),)](
-        master,
-        exp_avg,
-        exp_avg_sq,
-        grad,
-        out,
-        grad_coef,
-        n,
-        lr,
-        1 - lr * weight_decay,
-        beta1,
-        beta2,
-        step_size,
-        bc2_sqrt,
-        eps,
-        BLOCK=block,
-        num_warps=8,
+        master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, n, beta1, beta2, eps, BLOCK=block, num_warps=8
     )
