@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -562,10 +563,21 @@ def main(argv=None) -> int:
     ceiling = matmul_ceiling()
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     flops = flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)
+    failed = []
     for row in rows:
-        result = (run_fwdbwd if args.mode == "fwdbwd" else run_step)(
-            load_config(args.config, args.overrides), args, row
-        )
+        try:
+            result = (run_fwdbwd if args.mode == "fwdbwd" else run_step)(
+                load_config(args.config, args.overrides), args, row
+            )
+        except Exception:
+            if args.mode == "step":  # the other ranks would wait in a collective: end them all
+                raise
+            # one GPU: every row builds its own model, so one that fails leaves the others to measure
+            traceback.print_exc()
+            print(f"ROW FAILED {row} (traceback above)", flush=True)
+            failed.append(row)
+            free_memory()
+            continue
         result |= {
             "device": torch.cuda.get_device_name(),
             "ceiling_tflops": round(ceiling, 1),
@@ -579,7 +591,7 @@ def main(argv=None) -> int:
         free_memory()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ reject the OCP format.
 
 FP8 tensor cores take both operands K-major, so every operand is needed in two layouts (X and W^T forward, dY
 and W for dX, dY^T and X^T for dW). Tensorwise, each operand is cast once into both: `cast_transpose` (one
-Triton kernel on a GPU: reads the high-precision tile once, writes the e4m3 tile and its transpose) after an
+Triton kernel on a GPU: reads each high-precision tile, the second time from L2, and writes the e4m3 tile and
+its transpose) after an
 amax pass that torch.compile fuses into the operand's producer. A 1-byte transpose as a separate copy reads
 and writes with the wrong stride on one side and ran far below the memory rate on an H200.
 """
@@ -76,11 +77,16 @@ if HAVE_TRITON:
     def _cast_transpose_kernel(X, Q, QT, SCALE, M, N, fmax, BM: tl.constexpr, BN: tl.constexpr):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        scale = tl.load(SCALE)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(X + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, tl.load(SCALE)), -fmax, fmax).to(Q.dtype.element_ty)
+        q = tl.clamp(tl.math.div_rn(x, scale), -fmax, fmax).to(Q.dtype.element_ty)
         tl.store(Q + rows[:, None].to(tl.int64) * N + cols[None, :], q, mask=mask)
-        tl.store(QT + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+        # the transpose: the same tile read again along the other axis (from L2), written along QT's rows
+        mask_t = (cols[:, None] < N) & (rows[None, :] < M)
+        xt = tl.load(X + rows[None, :].to(tl.int64) * N + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
+        qt = tl.clamp(tl.math.div_rn(xt, scale), -fmax, fmax).to(QT.dtype.element_ty)
+        tl.store(QT + cols[:, None].to(tl.int64) * M + rows[None, :], qt, mask=mask_t)
 
     @triton_op("flux_train::fp8_cast_transpose", mutates_args=())
     def _cast_transpose(
