@@ -132,7 +132,7 @@ KERNEL_KINDS = (
     ("attention", ("flash", "fmha")),
     ("optimizer + clip", ("adamw", "adam", "multi_tensor", "foreach", "norm_kernel", "reduce_kernel", "lerp")),
     ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
-    ("fp8 casts", ("amax", "float8", "fp8", "cast_transpose")),
+    ("fp8 casts", ("amax", "float8", "fp8")),
     ("copies (fsdp/ddp buffers)", ("chunk_cat", "split_with_sizes", "copy", "catarray")),
     ("elementwise (triton)", ("triton",)),
 )

@@ -12,11 +12,9 @@ The e4m3 format depends on the GPU: OCP `float8_e4m3fn` (max 448) on NVIDIA Hopp
 reject the OCP format.
 
 FP8 tensor cores take both operands K-major, so every operand is needed in two layouts (X and W^T forward, dY
-and W for dX, dY^T and X^T for dW). Tensorwise, each operand is cast once into both: `cast_transpose` (one
-Triton kernel on a GPU: reads each high-precision tile, the second time from L2, and writes the e4m3 tile and
-its transpose) after an
-amax pass that torch.compile fuses into the operand's producer. A 1-byte transpose as a separate copy reads
-and writes with the wrong stride on one side and ran far below the memory rate on an H200.
+and W for dX, dY^T and X^T for dW). Tensorwise, each operand is cast once into both (`cast_transpose`), which
+torch.compile turns into one pass over the operand after an amax it fuses into the operand's producer; the
+backward then finds its layouts ready instead of copying 1-byte tensors into the other layout.
 """
 
 from __future__ import annotations
@@ -24,11 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on, tl, triton
-
-if HAVE_TRITON:
-    from torch.library import triton_op, wrap_triton
 
 E4M3 = torch.float8_e4m3fn
 
@@ -65,57 +58,12 @@ def quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype = E4M3) -> tup
     return cast(x, scale, dtype), scale
 
 
-def cast_transpose_torch(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`cast(x)`, the same transposed and row-major) for a 2-D x."""
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`cast(x)`, the same transposed and row-major) for a 2-D x: under torch.compile one kernel that reads x
+    once and writes both (0.24 ms for 8192 x 12288 with its producer and amax on an H200, 1.3x the byte floor;
+    a hand-written Triton kernel measured 0.86 ms)."""
     q = cast(x, scale, dtype)
     return q, q.t().contiguous()
-
-
-if HAVE_TRITON:
-
-    @triton.jit
-    def _cast_transpose_kernel(X, Q, QT, SCALE, M, N, fmax, BM: tl.constexpr, BN: tl.constexpr):
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        scale = tl.load(SCALE)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(X + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -fmax, fmax).to(Q.dtype.element_ty)
-        tl.store(Q + rows[:, None].to(tl.int64) * N + cols[None, :], q, mask=mask)
-        # the transpose: the same tile read again along the other axis (from L2), written along QT's rows
-        mask_t = (cols[:, None] < N) & (rows[None, :] < M)
-        xt = tl.load(X + rows[None, :].to(tl.int64) * N + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
-        qt = tl.clamp(tl.math.div_rn(xt, scale), -fmax, fmax).to(QT.dtype.element_ty)
-        tl.store(QT + cols[:, None].to(tl.int64) * M + rows[None, :], qt, mask=mask_t)
-
-    @triton_op("flux_train::fp8_cast_transpose", mutates_args=())
-    def _cast_transpose(
-        x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, storage: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        m, n = x.shape
-        q = torch.empty(m, n, device=x.device, dtype=storage)
-        qt = torch.empty(n, m, device=x.device, dtype=storage)
-        block = 64
-        wrap_triton(_cast_transpose_kernel)[(triton.cdiv(m, block), triton.cdiv(n, block))](
-            x, q, qt, scale, m, n, torch.finfo(dtype).max, BM=block, BN=block
-        )
-        return q, qt
-
-
-def cast_transpose_triton(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, storage: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel; `storage` other than `dtype` writes the clamped values unconverted (fp32), which is how
-    the tests check it under Triton's CPU interpreter, whose e4m3 conversion is not faithful."""
-    if not kernels_run_on(x.device):
-        raise RuntimeError(f"the Triton cast kernel cannot run on {x.device} here (no Triton, or no GPU)")
-    return _cast_transpose(x.contiguous(), scale, dtype, storage or dtype)
-
-
-def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M,K] -> (e4m3 x / scale [M,K], its transpose [K,M]), both row-major: one kernel on a GPU."""
-    impl = cast_transpose_triton if HAVE_TRITON and x.is_cuda else cast_transpose_torch
-    return impl(x, scale, dtype)
 
 
 def _column_major(x: torch.Tensor) -> torch.Tensor:
