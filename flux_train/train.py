@@ -397,7 +397,7 @@ class Trainer:
         )
         status = self._train(metrics)
         self.training.wait_params()  # no collective may be in flight when the process group goes down
-        self.checkpointer.wait()
+        self.checkpointer.close()
         metrics.close()
         samples = self.step * t.global_batch_size
         if status != Status.PREEMPTED:  # a preempted run continues in the same log after the requeue
