@@ -70,14 +70,11 @@ class Checkpointer:
         self.pending: tuple | None = None  # (future, tmp folder, final folder, progress) of an async save
         self.stager = None
         if async_save and torch.cuda.is_available():
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
             # pinned host buffers, allocated at the first save and reused; the copy ends before save returns
-            self.stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
-                )
-            )
+            # (DefaultStager with pinned memory failed at its second save with torch 2.11: KeyError <class 'type'>)
+            self.stager = BlockingAsyncStager(cache_staged_state_dict=True)
 
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
