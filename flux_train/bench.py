@@ -126,14 +126,16 @@ def free_memory() -> None:
 
 # ------------------------------------------------------------------------------------ GPU time by kind
 
-# first match wins: attention kernels carry cutlass in their names, our AdamW kernel "adamw"
+# first match wins: attention kernels carry cutlass in their names, our AdamW kernel "adamw"; inductor names a
+# kernel after the ops it fused, so its dtype casts (FP8 ones included) say `_to_copy` and count with the copies,
+# while "fp8 casts" are the kernels that name amax or the FP8 types
 KERNEL_KINDS = (
     ("nccl", ("nccl",)),
     ("attention", ("flash", "fmha")),
     ("optimizer + clip", ("adamw", "adam", "multi_tensor", "foreach", "norm_kernel", "reduce_kernel", "lerp")),
     ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
     ("fp8 casts", ("amax", "float8", "fp8")),
-    ("copies (fsdp/ddp buffers)", ("chunk_cat", "split_with_sizes", "copy", "catarray")),
+    ("copies, dtype casts", ("chunk_cat", "split_with_sizes", "copy", "catarray")),
     ("elementwise (triton)", ("triton",)),
 )
 
