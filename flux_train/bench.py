@@ -505,14 +505,7 @@ def main(argv=None) -> int:
         default="configs/bench.yaml",
         help="the run config whose model and perf settings are measured (default: configs/bench.yaml)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value; repeatable",
-    )
+    p.add_overrides()
     p.add_argument(
         "--mode",
         choices=("fwdbwd", "step"),

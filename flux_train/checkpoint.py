@@ -194,14 +194,7 @@ def main(argv=None) -> int:
     ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
     ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
     ex.add_argument("--out", required=True, help="the diffusers folder to write (config.json + safetensors)")
-    ex.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value; repeatable",
-    )
+    ex.add_overrides()
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     path = find_checkpoint(Path(args.checkpoint))

@@ -37,6 +37,17 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
+    def add_overrides(self) -> None:
+        """`--set SECTION.KEY=VALUE` (repeatable) into `overrides`, as every command that reads a config takes it."""
+        self.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY=VALUE",
+            help="override one config value; repeatable",
+        )
+
 
 def positive_int(text: str) -> int:
     """argparse type: a whole number >= 1."""

@@ -414,14 +414,7 @@ class NodeAgent:
 def main(argv=None) -> int:
     p = Parser(prog="python -m flux_train.launch", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML config (a system file from configs/systems/)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value; repeatable",
-    )
+    p.add_overrides()
     p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")
     args = p.parse_args(argv)
     try:

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         "(for `sbatch $(...) slurm/flux.sbatch --config CONFIG`).",
     )
     p.add_argument("--config", required=True)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_overrides()
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     print(shlex.join(sbatch_options(cfg.slurm.signal_delay_s)))

@@ -128,14 +128,7 @@ def main(argv=None) -> int:
 
     ap = Parser(prog="python -m flux_train.preflight", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/debug.yaml", help="the run's config (what to check)")
-    ap.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value; repeatable",
-    )
+    ap.add_overrides()
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     try:

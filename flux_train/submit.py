@@ -151,14 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     systems = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "systems").glob("*.yaml")))
     p = Parser(prog="python -m flux_train.submit", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help=f"system config, e.g. configs/systems/<name>.yaml ({systems})")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value; repeatable",
-    )
+    p.add_overrides()
     p.add_argument("--nodes", type=positive_int, help="slurm.nodes")
     p.add_argument("--gpus-per-node", type=positive_int, help="slurm.gpus_per_node (workers per node)")
     p.add_argument("--partition", help="slurm.partition")

@@ -484,14 +484,7 @@ def build_data(cfg: Config, rank: int, world: int) -> DataSource:
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog="python -m flux_train.train", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/debug.yaml", help="YAML config (default: configs/debug.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value; repeatable",
-    )
+    p.add_overrides()
     p.add_argument(
         "--print-config",
         action="store_true",
