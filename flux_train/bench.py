@@ -38,7 +38,7 @@ import torch.distributed as dist
 from flux_train import flow
 from flux_train.config import Config, load_config
 from flux_train.data import synthetic_samples
-from flux_train.diffusers_adapter import diffusers_config
+from flux_train.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
 from flux_train.model import build_model, flops_per_sample, init_weights
 from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
@@ -86,18 +86,6 @@ def synthetic_inputs(cfg: Config, batch: int, text_len: int, latent: int) -> tup
         torch.bfloat16,
     )
     return inputs.as_kwargs(), target
-
-
-def as_diffusers_kwargs(kw: dict) -> dict:
-    return dict(
-        hidden_states=kw["img"],
-        encoder_hidden_states=kw["txt"],
-        pooled_projections=kw["y"],
-        timestep=kw["timesteps"],
-        img_ids=kw["img_ids"],
-        txt_ids=kw["txt_ids"],
-        return_dict=False,
-    )
 
 
 def timed(step, steps: int, warmup: int = 3) -> tuple[float, float]:
@@ -191,7 +179,7 @@ def fwdbwd_model(cfg: Config, row: str):
         model = stock_flux(cfg, "cuda").to(torch.bfloat16)
         if row == "stock":
             model.compile_repeated_blocks(fullgraph=True)
-        return lambda kw: model(**as_diffusers_kwargs(kw))[0], model, False
+        return lambda kw: model(**diffusers_inputs(kw))[0], model, False
     perf = cfg.perf
     if "-fp8-" in row:
         impl, _, recipe = row.partition("-fp8-")
@@ -403,7 +391,7 @@ def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, dict | None]:
             p.normal_(0, 0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     kw, target = synthetic_inputs(cfg, cfg.train.micro_batch_size, args.text_len, args.latent)
-    kw = as_diffusers_kwargs(kw)
+    kw = diffusers_inputs(kw)
 
     def step():
         loss = flow.mse_loss(model(**kw)[0], target)

@@ -73,6 +73,19 @@ def diffusers_config(cfg: ModelConfig) -> dict:
     )
 
 
+def diffusers_inputs(kw: dict) -> dict:
+    """Our model's keyword inputs (img, txt, y, timesteps, img_ids, txt_ids) as FluxTransformer2DModel's."""
+    return dict(
+        hidden_states=kw["img"],
+        encoder_hidden_states=kw["txt"],
+        pooled_projections=kw["y"],
+        timestep=kw["timesteps"],
+        img_ids=kw["img_ids"],
+        txt_ids=kw["txt_ids"],
+        return_dict=False,
+    )
+
+
 def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(ours, diffusers) full names of every tensor that is only renamed."""
     modules = list(_ROOT)

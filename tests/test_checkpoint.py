@@ -10,6 +10,7 @@ import torch
 
 from flux_train import checkpoint
 from flux_train.config import load_config
+from flux_train.diffusers_adapter import diffusers_inputs
 from flux_train.results import read_events
 from flux_train.preemption import EXIT_CODE as EXIT_PREEMPTED
 from run_outputs import column, losses, train
@@ -170,16 +171,9 @@ def test_export_loads_with_diffusers_from_pretrained_and_reproduces_our_output(t
     y, t = torch.randn(2, 768, generator=g).double(), torch.rand(2, generator=g).double()
     ids = torch.stack([torch.zeros(16), torch.arange(16) // 4, torch.arange(16) % 4], 1)
     with torch.no_grad():
-        want = ours(img=img, img_ids=ids, txt=txt, txt_ids=torch.zeros(8, 3), timesteps=t, y=y)
-        got = loaded(
-            hidden_states=img,
-            encoder_hidden_states=txt,
-            pooled_projections=y,
-            timestep=t,
-            img_ids=ids,
-            txt_ids=torch.zeros(8, 3),
-            return_dict=False,
-        )[0]
+        kw = dict(img=img, img_ids=ids, txt=txt, txt_ids=torch.zeros(8, 3), timesteps=t, y=y)
+        want = ours(**kw)
+        got = loaded(**diffusers_inputs(kw))[0]
     assert want.abs().max() > 0
     assert ((got - want).norm() / want.norm()).item() <= 1e-10
     assert (export / "diffusion_pytorch_model.safetensors").stat().st_mode & 0o044 == 0o044  # others can read it

@@ -9,7 +9,14 @@ from diffusers import FluxTransformer2DModel
 from torch import nn
 
 from flux_train.config import ModelConfig, load_config
-from flux_train.diffusers_adapter import diffusers_config, from_diffusers, load_pretrained, save_diffusers, to_diffusers
+from flux_train.diffusers_adapter import (
+    diffusers_config,
+    diffusers_inputs,
+    from_diffusers,
+    load_pretrained,
+    save_diffusers,
+    to_diffusers,
+)
 from flux_train.kernels import RMSNorm
 from flux_train.model import apply_rope, build_model, count_params, flops_per_sample, init_rule, materialize
 
@@ -72,18 +79,6 @@ def inputs64(cfg: ModelConfig, batch: int = 2, text: int = 8, side: int = 8):
     )
 
 
-def diffusers_forward(model, kw):
-    return model(
-        hidden_states=kw["img"],
-        encoder_hidden_states=kw["txt"],
-        pooled_projections=kw["y"],
-        timestep=kw["timesteps"],
-        img_ids=kw["img_ids"],
-        txt_ids=kw["txt_ids"],
-        return_dict=False,
-    )[0]
-
-
 def ours_from(state: dict, cfg: ModelConfig) -> nn.Module:
     model = build_model(cfg, "torch")
     model.to_empty(device="cpu")
@@ -96,7 +91,7 @@ def test_converted_model_equals_diffusers_in_float64_and_converts_back_identical
     ours = ours_from(from_diffusers(reference.state_dict(), TINY), TINY)
     kw = inputs64(TINY)
     with torch.no_grad():
-        want = diffusers_forward(reference, kw)
+        want = reference(**diffusers_inputs(kw))[0]
         got = ours(**kw)
     assert want.abs().max() > 0.1
     assert ((got - want).norm() / want.norm()).item() <= 1e-10
@@ -111,7 +106,7 @@ def test_gradients_equal_diffusers_in_float64():
     ours = ours_from(from_diffusers(reference.state_dict(), TINY), TINY)
     kw = inputs64(TINY)
     weights = torch.randn(kw["img"].shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    (diffusers_forward(reference, kw) * weights).sum().backward()
+    (reference(**diffusers_inputs(kw))[0] * weights).sum().backward()
     (ours(**kw) * weights).sum().backward()
     ours_grads = {n: p.grad for n, p in ours.named_parameters()}
     theirs = to_diffusers(ours_grads, TINY)
