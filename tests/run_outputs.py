@@ -11,10 +11,20 @@ from pathlib import Path
 from flux_train import results
 
 
-def train(out: Path, *args: str, config: str = "configs/debug.yaml", timeout: float = 600):
-    """`python -m flux_train.train --config CONFIG --set logging.out_dir=OUT ARGS...`, its output captured."""
-    argv = [sys.executable, "-m", "flux_train.train", "--config", config, "--set", f"logging.out_dir={out}", *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+def train_command(out: Path, *args: str, config: str = "configs/debug.yaml", nproc: int = 1) -> list[str]:
+    """`python -m flux_train.train --config CONFIG --set logging.out_dir=OUT ARGS...`; under torchrun on this
+    machine with `nproc` ranks when nproc > 1."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, "-m", "flux_train.train", "--config", config, "--set", f"logging.out_dir={out}", *args]
+
+
+def train(out: Path, *args: str, config: str = "configs/debug.yaml", nproc: int = 1, timeout: float = 600):
+    """`train_command`, run to its end, its output captured."""
+    return subprocess.run(
+        train_command(out, *args, config=config, nproc=nproc), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def metrics(out: Path) -> list[dict]:

@@ -2,7 +2,6 @@
 
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -13,7 +12,7 @@ from flux_train.config import load_config
 from flux_train.diffusers_adapter import diffusers_inputs
 from flux_train.results import read_events
 from flux_train.preemption import EXIT_CODE as EXIT_PREEMPTED
-from run_outputs import column, losses, train
+from run_outputs import column, losses, train, train_command
 
 pytestmark = pytest.mark.slow  # every test trains
 
@@ -47,17 +46,11 @@ def run(out, *extra):
 def test_preempted_run_checkpoints_and_resumes_with_the_same_losses(tmp_path):
     """SIGUSR2 (Slurm's warning signal) -> checkpoint + exit 75; the resumed run matches an uninterrupted one."""
     split = tmp_path / "split"
-    args = [
-        "--config",
-        "configs/debug.yaml",
-        "--set",
-        f"logging.out_dir={split}",
-        *COMMON,
-        "--set",
-        "train.max_steps=100000",
-    ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flux_train.train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        train_command(split, *COMMON, "--set", "train.max_steps=100000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.time() + 300
     while time.time() < deadline and len(losses(split)) < 3:

@@ -29,7 +29,7 @@ from dataprep.format import (
 from flux_train.config import DataConfig, load_config
 from flux_train.data import DataError
 from flux_train.energon_data import EnergonTrainStream, EnergonVal, build_energon, cook, val_counts
-from run_outputs import column
+from run_outputs import column, train
 
 SPEC = FixtureSpec(train=24, val=13, text_len=4, height=2, width=2, seed=3, samples_per_shard=5)
 
@@ -255,9 +255,8 @@ def test_a_sample_unlike_the_description_is_named_at_the_first_eval(dataset, tmp
 def test_two_rank_training_reads_an_uneven_fixture_through_energon(tmp_path):
     """torchrun, 2 ranks, 13 val samples in batches of 4: ranks hold 7 and 6 samples, both run 2 forwards;
     the trainer checks that the eval counted all 13."""
-    args = [
-        "--config",
-        "configs/debug.yaml",
+    proc = train(
+        tmp_path,
         "--set",
         "data.source=energon",
         "--set",
@@ -276,23 +275,7 @@ def test_two_rank_training_reads_an_uneven_fixture_through_energon(tmp_path):
         "train.micro_batch_size=4",
         "--set",
         "logging.log_every=2",
-        "--set",
-        f"logging.out_dir={tmp_path}",
-    ]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "flux_train.train",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        nproc=2,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(column(tmp_path, "val_loss")) == 2

@@ -2,9 +2,6 @@
 eager (model and trainer), the attention backend, FP8 on tensor cores against its CPU emulation. The Triton
 kernels' own tests (tests/test_kernels.py) run on a GPU or in Triton's CPU interpreter."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -12,7 +9,7 @@ from flux_train import flow
 from flux_train.config import ModelConfig
 from flux_train.model import build_model, materialize
 from flux_train.perf import CudaGraph, compile_blocks, select_attention_backend
-from run_outputs import column
+from run_outputs import column, train
 
 pytestmark = pytest.mark.gpu
 
@@ -126,9 +123,6 @@ def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
     and grad norms over 6 steps, the learning rate changing every step (warm-up)."""
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     runs = {}
     for graphs in (False, True):
         out = tmp_path / f"graphs{graphs}"
@@ -149,15 +143,8 @@ def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
             "eval.enabled": "false",
             "logging.log_every": 1,
             "logging.progress_bar": "false",
-            "logging.out_dir": out,
         }
-        args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-        proc = subprocess.run(
-            [*launcher, "-m", "flux_train.train", "--config", "configs/debug.yaml", *args],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        proc = train(out, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], nproc=nproc, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[graphs] = (column(out, "loss"), column(out, "grad_norm"))
     assert len(runs[True][0]) == 6

@@ -2,17 +2,14 @@
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 from flux_train.config import ParallelConfig
 from flux_train.parallel import mesh_shape
-from run_outputs import column, metrics
+from run_outputs import column, metrics, train, train_command
 
 ARGS = [
-    "--config",
-    "configs/debug.yaml",
     "--set",
     "data.source=synthetic",
     "--set",
@@ -31,17 +28,7 @@ ARGS = [
 
 
 def run(out, nproc, extra=()):
-    launcher = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        if nproc > 1
-        else [sys.executable]
-    )
-    proc = subprocess.run(
-        [*launcher, "-m", "flux_train.train", *ARGS, "--set", f"logging.out_dir={out}", *extra],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = train(out, *ARGS, *extra, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -162,14 +149,8 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
 
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "flux_train.train",
+        train_command(
+            out,
             *ARGS,
             "--set",
             "train.max_steps=100000",
@@ -177,9 +158,8 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
             "eval.enabled=false",
             "--set",
             "parallel.timeout_s=15",
-            "--set",
-            f"logging.out_dir={out}",
-        ],
+            nproc=2,
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -3,8 +3,6 @@
 line, and the trainer draws a grid per eval after the eval's MLLOG events when eval.sample_prompts is set."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +14,8 @@ from flux_train.checkpoint import read_weights
 from flux_train.config import load_config
 from flux_train.diffusers_adapter import to_diffusers
 from flux_train.results import read_events
+
+import run_outputs
 
 pytestmark = pytest.mark.slow  # every test trains or reads a trained run
 
@@ -164,13 +164,10 @@ def test_trainer_draws_the_grid_the_command_draws_after_each_eval_s_mllog_events
     ):
         (flux / name).symlink_to(tiny_models / source)
     out = tmp_path / "run"
-    args = [
-        "--config",
-        "configs/debug.yaml",
+    proc = run_outputs.train(
+        out,
         "--set",
         "data.source=synthetic",
-        "--set",
-        f"logging.out_dir={out}",
         "--set",
         "train.max_steps=4",
         "--set",
@@ -185,21 +182,7 @@ def test_trainer_draws_the_grid_the_command_draws_after_each_eval_s_mllog_events
         f"eval.sample_prompts={prompts}",
         "--set",
         f"eval.sample_weights={flux}",
-    ]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "flux_train.train",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        nproc=2,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     grids = sorted((out / "samples").iterdir())

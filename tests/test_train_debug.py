@@ -170,33 +170,22 @@ def test_non_finite_step_stops_the_run_there_and_keeps_the_last_good_checkpoint(
     from flux_train import checkpoint
 
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flux_train.train",
-            "--config",
-            "configs/debug.yaml",
-            "--set",
-            f"logging.out_dir={out}",
-            "--set",
-            "data.source=synthetic",
-            "--set",
-            "train.inject_nan_at_step=5",
-            "--set",
-            "checkpoint.every_steps=2",
-            "--set",
-            "logging.log_every=10",
-            "--set",
-            "eval.enabled=false",
-            "--set",
-            "train.max_steps=20",
-            "--set",
-            f"parallel.strategy={strategy}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = train(
+        out,
+        "--set",
+        "data.source=synthetic",
+        "--set",
+        "train.inject_nan_at_step=5",
+        "--set",
+        "checkpoint.every_steps=2",
+        "--set",
+        "logging.log_every=10",
+        "--set",
+        "eval.enabled=false",
+        "--set",
+        "train.max_steps=20",
+        "--set",
+        f"parallel.strategy={strategy}",
     )
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     latest = checkpoint.list_checkpoints(out / "checkpoints")[-1]
