@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from flux_train.checkpoint import checkpoint_dir
 from flux_train.config import Config, load_config
 from flux_train.errors import Parser, UserError, reports_user_errors
 from flux_train.heartbeat import node_name
@@ -49,7 +50,7 @@ def node_problems(cfg: Config, device: torch.device, gpus_per_node: int) -> list
             if (total - free) / 2**30 > IDLE_GPU_USED_GIB:
                 problems.append(f"GPU {i} has {(total - free) / 2**30:.1f} GiB in use by another process")
     for what, folder in (
-        ("checkpoint", cfg.checkpoint.dir or Path(cfg.logging.out_dir) / "checkpoints"),
+        ("checkpoint", checkpoint_dir(cfg)),
         ("log", cfg.logging.out_dir),
     ):
         existing = Path(folder)
