@@ -5,7 +5,17 @@ import torch
 import torch.nn.functional as F
 
 from flux_train.kernels.fp8 import FP8Linear, convert_to_fp8, e4m3_dtype, linear, quantize
+from flux_train.config import ModelConfig
 from run_outputs import column
+
+TINY = ModelConfig(  # two blocks of a width FP8 takes (multiples of 16)
+    flavor="t",
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    axes_dims_rope=[4, 6, 6],
+)
 
 
 @pytest.mark.parametrize(
@@ -66,19 +76,10 @@ def test_fp8_conversion_swaps_only_the_token_linears_and_keeps_the_weights(impl)
     GEMM has K = batch) and leave parameter names and values as they were, so checkpoints do not change."""
     from torchao.float8.float8_linear import Float8Linear
 
-    from flux_train.config import ModelConfig
     from flux_train.model import build_model, materialize
     from flux_train.perf import apply_fp8
 
-    cfg = ModelConfig(
-        flavor="t",
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        axes_dims_rope=[4, 6, 6],
-    )
-    model = materialize(build_model(cfg), torch.device("cpu"), seed=0)
+    model = materialize(build_model(TINY), torch.device("cpu"), seed=0)
     before = {n: p.clone() for n, p in model.named_parameters()}
     apply_fp8(model, "tensorwise", impl, torch.device("cpu"))
     fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, (FP8Linear, Float8Linear)))
@@ -98,19 +99,9 @@ def test_fp8_conversion_swaps_only_the_token_linears_and_keeps_the_weights(impl)
 
 
 def test_our_fp8_linears_carry_the_platform_format():
-    from flux_train.config import ModelConfig
     from flux_train.model import build_model, is_token_linear
 
-    model = build_model(
-        ModelConfig(
-            flavor="t",
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            axes_dims_rope=[4, 6, 6],
-        )
-    )
+    model = build_model(TINY)
     convert_to_fp8(model, "rowwise", torch.float8_e4m3fnuz, is_token_linear)
     fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
     assert fp8 and all(m.fp8_dtype == torch.float8_e4m3fnuz and m.recipe == "rowwise" for m in fp8)
