@@ -511,7 +511,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--text-len", type=positive_int, default=256, help="T5 tokens per sample (default 256)")
     p.add_argument("--latent", type=positive_int, default=32, help="latent side (32 = 256x256 images)")
-    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per row, run back to back (the mean step is reported)")
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=10,
+        help="timed steps per row, run back to back (the mean step is reported)",
+    )
     p.add_argument(
         "--accum",
         type=positive_int,
