@@ -128,9 +128,10 @@ KERNEL_KINDS = (
 )
 
 
-def profile_breakdown(run, steps: int = 3) -> dict:
+def profile_breakdown(run, steps: int = 3, top: int = 25) -> tuple[dict, list]:
     """ms per step of GPU kernel time by kind (KERNEL_KINDS + other), and the compute stream's idle time
-    (the step minus the union of non-NCCL kernels: exposed communication and CPU stalls)."""
+    (the step minus the union of non-NCCL kernels: exposed communication and CPU stalls); and the `top`
+    kernels by time, [name, kind, ms per step, launches per step], to say which kernel a kind's time is."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -141,13 +142,18 @@ def profile_breakdown(run, steps: int = 3) -> dict:
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1000 / steps
     kinds = {k: 0.0 for k, _ in KERNEL_KINDS} | {"other": 0.0}
+    per_kernel: dict[str, list] = {}  # name -> [kind, ms, launches]
     spans = []
     for e in prof.events():
         if e.device_type.name != "CUDA" or e.time_range.end <= e.time_range.start:
             continue
         name = e.name.lower()
         kind = next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "other")
-        kinds[kind] += (e.time_range.end - e.time_range.start) / 1000
+        ms = (e.time_range.end - e.time_range.start) / 1000
+        kinds[kind] += ms
+        entry = per_kernel.setdefault(e.name, [kind, 0.0, 0])
+        entry[1] += ms
+        entry[2] += 1
         if kind != "nccl":
             spans.append((e.time_range.start, e.time_range.end))
     busy, end = 0.0, None
@@ -160,7 +166,8 @@ def profile_breakdown(run, steps: int = 3) -> dict:
     out["compute busy"] = round(busy / 1000 / steps, 1)
     out["compute idle"] = round(wall_ms - busy / 1000 / steps, 1)
     out["step (profiled)"] = round(wall_ms, 1)
-    return out
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    return out, [[name[:120], kind, round(ms / steps, 2), count // steps] for name, (kind, ms, count) in ranked]
 
 
 # ------------------------------------------------------------------------------------ one GPU, fwd + bwd
@@ -231,7 +238,7 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
         "warm_s": round(warm, 1),
     }
     if args.profile:
-        result["profile"] = profile_breakdown(run)
+        result["profile"], result["top_kernels"] = profile_breakdown(run)
     return result
 
 
@@ -272,11 +279,11 @@ def run_step(cfg: Config, args, row: str) -> dict:
         "warm_s": round(warm, 1),
     }
     if profile:
-        base["profile"] = profile
+        base["profile"], base["top_kernels"] = profile
     return base
 
 
-def trainer_step(cfg: Config, args) -> tuple[float, float, dict | None, float]:
+def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, float]:
     from flux_train.evaluate import evaluate
     from flux_train.train import Trainer
 
@@ -375,7 +382,7 @@ def shutil_rmtree(path) -> None:
     dist.barrier()
 
 
-def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, dict | None]:
+def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, tuple | None]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = stock_flux(cfg, "meta")
@@ -463,6 +470,12 @@ def print_table(rows: list[dict]) -> None:
         )
         for kind in kinds:
             print(f"{kind:28s}" + "".join(f" {r['profile'].get(kind, 0):23.1f}" for r in profiled))
+        for r in profiled:
+            print(
+                f"\ntop kernels, {r.get('label', r['row'])} {r.get('precision', '')}: ms/step launches/step kind name"
+            )
+            for name, kind, ms, count in r.get("top_kernels", []):
+                print(f"  {ms:9.2f} {count:6d} {kind[:12]:12s} {name[:90]}")
 
 
 def read_rows(path: str) -> list[dict]:

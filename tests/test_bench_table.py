@@ -1,0 +1,54 @@
+"""`python -m flux_train.bench --table`: rows a device run wrote (--json) become the table, the ratios to the
+stock row of the same mode and batch, the step efficiency and, for profiled rows, the time by kind and the top
+kernels. The rows' measuring needs a GPU (tests/gpu_check.sh); this is the part every host runs."""
+
+import json
+
+from flux_train import bench
+
+STOCK = {
+    "mode": "fwdbwd",
+    "row": "stock",
+    "batch": 16,
+    "precision": "bf16",
+    "samples_s_per_gpu": 26.0,
+    "peak_gib": 72.7,
+    "flops_per_sample": 2.04e13,
+    "ceiling_tflops": 794.0,
+}
+OURS_FP8 = STOCK | {
+    "row": "ours-fp8-tensorwise",
+    "precision": "fp8 tensorwise",
+    "samples_s_per_gpu": 32.5,
+    "profile": {"gemm": 237.0, "fp8 casts": 48.0, "compute idle": 45.1},
+    "top_kernels": [["nvjet_qqtst_128x256", "gemm", 90.5, 57], ["triton_red_fused_abs_amax_0", "fp8 casts", 3.25, 114]],
+}
+STEP = {
+    "mode": "step",
+    "row": "ours",
+    "label": "ours ddp",
+    "world": 2,
+    "batch": 16,
+    "precision": "fp8 tensorwise",
+    "samples_s_per_gpu": 26.0,
+    "peak_gib": 120.0,
+    "flops_per_sample": 2.04e13,
+    "ceiling_tflops": 794.0,
+}
+
+
+def test_table_gives_ratios_efficiency_and_top_kernels(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in (STOCK, OURS_FP8, STEP)))
+    assert bench.main(["--table", str(rows)]) == 0
+    out = capsys.readouterr().out
+    fp8_line = next(line for line in out.splitlines() if line.startswith("fwdbwd ours-fp8-tensorwise"))
+    assert "1.25x" in fp8_line  # 32.5 / 26.0, against the stock row of the same mode and batch
+    step = next(line for line in out.splitlines() if line.startswith("step")).split()
+    # no stock step row: no ratio claimed; step efficiency = 26.0 step / 32.5 fwdbwd of the same precision, batch
+    assert step[-3:] == ["-", "0.80", "-"]
+    kernels = out.split("top kernels, ours-fp8-tensorwise fp8 tensorwise:")[1].splitlines()[1:3]
+    assert [k.split() for k in kernels] == [
+        ["90.50", "57", "gemm", "nvjet_qqtst_128x256"],
+        ["3.25", "114", "fp8", "casts", "triton_red_fused_abs_amax_0"],
+    ]
