@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from run_outputs import set_flags
+
 CACHE = Path(os.environ.get("FLUX_CI_CACHE", "/var/cache/flux-train-ci"))
 PODMAN_IMAGE = "localhost/flux-train-ci:bookworm"
 SETUP = ".ci/containers builds it"
@@ -48,7 +50,7 @@ class Engine:
 
     def args(self, tmp_path: Path) -> list[str]:
         """The same as flags of `python -m flux_train.submit`."""
-        return [arg for override in self.overrides(tmp_path) for arg in ("--set", override)]
+        return set_flags(self.overrides(tmp_path))
 
 
 def interpreter_dirs() -> list[str]:

@@ -11,6 +11,12 @@ from pathlib import Path
 from flux_train import results
 
 
+def set_flags(overrides) -> list[str]:
+    """SECTION.KEY=VALUE overrides (strings, or a {key: value} dict) as `--set` flags."""
+    items = [f"{k}={v}" for k, v in overrides.items()] if isinstance(overrides, dict) else overrides
+    return [arg for o in items for arg in ("--set", o)]
+
+
 def train_command(out: Path, *args: str, config: str = "configs/debug.yaml", nproc: int = 1) -> list[str]:
     """`python -m flux_train.train --config CONFIG --set logging.out_dir=OUT ARGS...`; under torchrun on this
     machine with `nproc` ranks when nproc > 1."""

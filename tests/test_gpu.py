@@ -9,7 +9,7 @@ from flux_train import flow
 from flux_train.config import ModelConfig
 from flux_train.model import build_model, materialize
 from flux_train.perf import CudaGraph, compile_blocks, select_attention_backend
-from run_outputs import column, train
+from run_outputs import column, set_flags, train
 
 pytestmark = pytest.mark.gpu
 
@@ -144,7 +144,7 @@ def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
             "logging.log_every": 1,
             "logging.progress_bar": "false",
         }
-        proc = train(out, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], nproc=nproc, timeout=900)
+        proc = train(out, *set_flags(sets), nproc=nproc, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[graphs] = (column(out, "loss"), column(out, "grad_norm"))
     assert len(runs[True][0]) == 6

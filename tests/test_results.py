@@ -12,7 +12,7 @@ from matplotlib import image
 from mlperf_logging.rcp_checker import rcp_checker
 
 from flux_train import results
-from run_outputs import train
+from run_outputs import set_flags, train
 
 pytestmark = pytest.mark.slow  # every test reads the training runs of the module fixture
 
@@ -25,7 +25,7 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     jobs = {"run_1": ["train.seed=1"], "aborted": ["train.seed=2", "train.max_steps=25"]}
     for name, overrides in jobs.items():
-        proc = train(root / name, *[arg for o in overrides for arg in ("--set", o)], timeout=300)
+        proc = train(root / name, *set_flags(overrides), timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
     return root
 

@@ -20,6 +20,7 @@ import pytest
 
 from flux_train import container, preemption
 from flux_train import submit as sub
+from run_outputs import set_flags
 
 SYSTEM = "configs/systems/cpu_02x02.yaml"
 
@@ -248,7 +249,7 @@ def test_ulimits_add_to_memlock_and_replace_or_drop_it(capsys, tmp_path):
             "podman",
             "--container-image",
             "img",
-            *[arg for s in sets for arg in ("--set", s)],
+            *set_flags(sets),
         )
         return [o for o in program(argv) if o.startswith("--ulimit")]
 
