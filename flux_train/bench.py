@@ -141,20 +141,19 @@ def profile_breakdown(run, steps: int = 3, top: int = 25) -> tuple[dict, list]:
             run()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1000 / steps
-    kinds = {k: 0.0 for k, _ in KERNEL_KINDS} | {"other": 0.0}
     per_kernel: dict[str, list] = {}  # name -> [kind, ms, launches]
     spans = []
     for e in prof.events():
         if e.device_type.name != "CUDA" or e.time_range.end <= e.time_range.start:
             continue
-        name = e.name.lower()
-        kind = next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "other")
-        ms = (e.time_range.end - e.time_range.start) / 1000
-        kinds[kind] += ms
-        entry = per_kernel.setdefault(e.name, [kind, 0.0, 0])
-        entry[1] += ms
+        if e.name not in per_kernel:
+            name = e.name.lower()
+            kind = next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "other")
+            per_kernel[e.name] = [kind, 0.0, 0]
+        entry = per_kernel[e.name]
+        entry[1] += (e.time_range.end - e.time_range.start) / 1000
         entry[2] += 1
-        if kind != "nccl":
+        if entry[0] != "nccl":
             spans.append((e.time_range.start, e.time_range.end))
     busy, end = 0.0, None
     for s, e in sorted(spans):
@@ -162,6 +161,9 @@ def profile_breakdown(run, steps: int = 3, top: int = 25) -> tuple[dict, list]:
             busy, end = busy + (e - s), e
         elif e > end:
             busy, end = busy + (e - end), e
+    kinds = {k: 0.0 for k, _ in KERNEL_KINDS} | {"other": 0.0}
+    for kind, ms, _ in per_kernel.values():
+        kinds[kind] += ms
     out = {k: round(v / steps, 1) for k, v in kinds.items()}
     out["compute busy"] = round(busy / 1000 / steps, 1)
     out["compute idle"] = round(wall_ms - busy / 1000 / steps, 1)

@@ -4,6 +4,8 @@ kernels. The rows' measuring needs a GPU (tests/gpu_check.sh); this is the part 
 
 import json
 
+import pytest
+
 from flux_train import bench
 
 STOCK = {
@@ -47,8 +49,59 @@ def test_table_gives_ratios_efficiency_and_top_kernels(tmp_path, capsys):
     step = next(line for line in out.splitlines() if line.startswith("step")).split()
     # no stock step row: no ratio claimed; step efficiency = 26.0 step / 32.5 fwdbwd of the same precision, batch
     assert step[-3:] == ["-", "0.80", "-"]
+    assert next(line for line in out.splitlines() if line.startswith("fp8 casts")).split() == ["fp8", "casts", "48.0"]
     kernels = out.split("top kernels, ours-fp8-tensorwise fp8 tensorwise:")[1].splitlines()[1:3]
     assert [k.split() for k in kernels] == [
         ["90.50", "57", "gemm", "nvjet_qqtst_128x256"],
         ["3.25", "114", "fp8", "casts", "triton_red_fused_abs_amax_0"],
+    ]
+
+
+class FakeProfile:
+    """torch.profiler.profile yielding given CUDA kernel events (name, start us, end us): CI has no GPU, so
+    this stands in for the profiler's CUDA activity; the aggregation under test is bench's own."""
+
+    def __init__(self, kernels):
+        from types import SimpleNamespace as NS
+
+        self._events = [
+            NS(name=n, device_type=NS(name="CUDA"), time_range=NS(start=s, end=e)) for n, s, e in kernels
+        ] + [NS(name="cpu_op", device_type=NS(name="CPU"), time_range=NS(start=0, end=10**6))]
+
+    def __call__(self, activities):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def events(self):
+        return self._events
+
+
+def test_profile_breakdown_sums_kinds_from_kernels_and_ranks_them(monkeypatch):
+    import torch
+
+    # two steps: per step a GEMM (2 ms), an amax (0.5 ms) launched twice, an all-gather overlapping the GEMM
+    kernels = []
+    for step in range(2):
+        t = step * 10_000
+        kernels += [
+            ("nvjet_tst_128x256", t, t + 2_000),
+            ("triton_red_fused_abs_amax_0", t + 2_000, t + 2_250),
+            ("triton_red_fused_abs_amax_0", t + 2_250, t + 2_500),
+            ("ncclDevKernel_AllGather", t + 500, t + 4_500),
+        ]
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile(kernels))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    kinds, top = bench.profile_breakdown(lambda: None, steps=2, top=3)
+    assert kinds["gemm"] == 2.0 and kinds["fp8 casts"] == 0.5 and kinds["nccl"] == 4.0
+    assert kinds["compute busy"] == 2.5  # the NCCL kernel is not compute
+    assert kinds["compute idle"] == pytest.approx(kinds["step (profiled)"] - 2.5, abs=0.11)
+    assert top == [
+        ["ncclDevKernel_AllGather", "nccl", 4.0, 1],
+        ["nvjet_tst_128x256", "gemm", 2.0, 1],
+        ["triton_red_fused_abs_amax_0", "fp8 casts", 0.5, 2],  # ms and launches per step
     ]
