@@ -40,6 +40,7 @@ from flux_train.config import Config, load_config
 from flux_train.data import synthetic_samples
 from flux_train.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
+from flux_train.kernels.fp8 import FP8Scaling
 from flux_train.model import build_model, flops_per_sample, init_weights
 from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
 
@@ -47,6 +48,7 @@ FWDBWD_ROWS = (
     "stock-eager",
     "stock",
     "ours",
+    "ours-fp8-delayed",
     "ours-fp8-tensorwise",
     "ours-fp8-rowwise",
     "torchao-fp8-tensorwise",
@@ -183,12 +185,12 @@ def stock_flux(cfg: Config, device: str):
 
 
 def fwdbwd_model(cfg: Config, row: str):
-    """(forward(kw) -> output, module, use CUDA graphs) for a fwdbwd row."""
+    """(forward(kw) -> output, module, use CUDA graphs, FP8 delayed scaling or None) for a fwdbwd row."""
     if row.startswith("stock"):
         model = stock_flux(cfg, "cuda").to(torch.bfloat16)
         if row == "stock":
             model.compile_repeated_blocks(fullgraph=True)
-        return lambda kw: model(**diffusers_inputs(kw))[0], model, False
+        return lambda kw: model(**diffusers_inputs(kw))[0], model, False, None
     perf = cfg.perf
     if "-fp8-" in row:
         impl, _, recipe = row.partition("-fp8-")
@@ -206,14 +208,15 @@ def fwdbwd_model(cfg: Config, row: str):
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     model.to(torch.bfloat16)
-    apply_fp8(model, perf.fp8, perf.fp8_impl, torch.device("cuda"))
+    apply_fp8(model, perf.fp8, perf.fp8_impl, torch.device("cuda"), perf.fp8_amax_history)
+    scaling = FP8Scaling.of(model, torch.device("cuda"), perf.fp8_margin)
     compile_blocks(model, perf.compile)
-    return lambda kw: model(**kw), model, perf.cuda_graphs
+    return lambda kw: model(**kw), model, perf.cuda_graphs, scaling
 
 
 def run_fwdbwd(cfg: Config, args, row: str) -> dict:
     kw, target = synthetic_inputs(cfg, args.batch, args.text_len, args.latent)
-    forward, module, graphs = fwdbwd_model(cfg, row)
+    forward, module, graphs, scaling = fwdbwd_model(cfg, row)
     params = list(module.parameters())
 
     def step():
@@ -221,6 +224,8 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
             p.grad = None
         loss = flow.mse_loss(forward(kw), target)
         loss.backward()
+        if scaling is not None:  # what a training step adds: the next step's scales
+            scaling.update()
         return loss.detach()
 
     torch.cuda.reset_peak_memory_stats()

@@ -141,9 +141,14 @@ class PerfConfig:
     cuda_graphs: bool = False
     rmsnorm: Literal["auto", "triton", "torch"] = "auto"
     attention: Literal["flash", "efficient", "cudnn", "math", "auto"] = "flash"
-    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    # delayed: one scale per tensor from an amax history (ours only); tensorwise: from the current amax;
+    # rowwise: one scale per row (flux_train/kernels/fp8.py)
+    fp8: Literal["none", "delayed", "tensorwise", "rowwise"] = "none"
     # ours: flux_train.kernels.fp8; torchao: torchao.float8's Float8Linear (needs torchao installed)
     fp8_impl: Literal["ours", "torchao"] = "ours"
+    # delayed scaling: steps of amax history a scale is taken from, and 2^margin of headroom above it
+    fp8_amax_history: int = 16
+    fp8_margin: int = 0
     # training steps run on synthetic batches before run_start (compile, graphs), weights restored after;
     # their latent side should match the data's (32 for 256x256 images) so compile does not run again
     warmup_iters: int = 0
@@ -459,6 +464,15 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         f"data.synthetic_val_samples {cfg.data.synthetic_val_samples} > data.synthetic_train_samples "
         f"{cfg.data.synthetic_train_samples}: the synthetic val set is a subset of the train set",
     )
+    need(
+        cfg.perf.fp8 != "delayed" or cfg.perf.fp8_impl == "ours",
+        "perf.fp8=delayed: torchao's Float8Linear has no delayed scaling; set perf.fp8_impl=ours",
+    )
+    need(
+        1 <= cfg.perf.fp8_amax_history <= 1024,
+        f"perf.fp8_amax_history: must be in 1..1024 steps, got {cfg.perf.fp8_amax_history}",
+    )
+    need(0 <= cfg.perf.fp8_margin <= 8, f"perf.fp8_margin: must be in 0..8, got {cfg.perf.fp8_margin}")
     need(p.timeout_s >= 10, f"parallel.timeout_s: must be >= 10 seconds, got {p.timeout_s}")
     need(
         cfg.perf.warmup_latent_size > 0 and cfg.perf.warmup_latent_size % 2 == 0,

@@ -114,9 +114,10 @@ class ModelInputs:
 def build_inputs(
     batch: dict, t: torch.Tensor, gen: torch.Generator, shift: float, scale: float, dtype: torch.dtype
 ) -> tuple[ModelInputs, torch.Tensor]:
-    """Model inputs and velocity target for a batch (dict of t5, clip, mean, logvar) at timesteps t.
-    Inputs go to the model in the compute dtype, timesteps included (as the reference's mixed precision casts
-    them); position ids stay fp32 for the RoPE tables."""
+    """Model inputs and velocity target for a batch (dict of t5, clip, mean, logvar) at timesteps t (fp32; the
+    noising uses them as they are). Inputs go to the model in the compute dtype, timesteps included, as the
+    reference's batch reaches its model; the model forms the timestep embedding's argument in fp32 from them,
+    as the reference's forward does (model.time_argument). Position ids stay fp32 for the RoPE tables."""
     mean, logvar = batch["mean"], batch["logvar"]
     _, _, height, width = mean.shape
     eps_latent = torch.randn(mean.shape, device=mean.device, generator=gen)

@@ -5,8 +5,10 @@ away (flux_train.diffusers_adapter): double-stream blocks with fused `img_attn.q
 single-stream blocks with `linear1` (q, k, v and the MLP input in one GEMM) and `linear2`, QK-RMSNorm,
 RoPE in fp32, the time/vector embedders and the final adaLN layer.
 
-Numerics the benchmark fixes: RMSNorm and RoPE in (at least) fp32, the sinusoidal timestep embedding in
-fp32 from `timesteps * 1000` taken in the input's dtype, no attention mask. The model is built on the meta
+Numerics as the reference computes them: RMSNorm and RoPE in (at least) fp32, the RMSNorm's eps the machine
+epsilon of its input's dtype (torch's default, which the reference's `nn.RMSNorm` takes), the sinusoidal timestep
+embedding's argument `timesteps * 1000` formed in fp32 from the timesteps the model is given (the reference
+casts its inputs to its fp32 parameters' dtype first), no attention mask. The model is built on the meta
 device and materialised with the reference initialisation (`init_weights`): every Linear xavier-uniform
 from its own fans with zero bias, the time/vector embedders N(0, 0.02), every adaLN modulation and the final
 projection zero. Each parameter is drawn as a full tensor from its own generator (seed, parameter index)
@@ -32,6 +34,12 @@ MLP_RATIO = 4
 
 
 # ------------------------------------------------------------------------------------------------ math
+
+
+def time_argument(timesteps: torch.Tensor) -> torch.Tensor:
+    """The timestep embedding's argument: t * 1000 in at least fp32, whatever the dtype t comes in (a bf16 t of
+    k/8 gives exactly 125 k; formed in bf16 it would give 376, 624, 752 and 876 for k = 3, 5, 6, 7)."""
+    return timesteps.to(torch.promote_types(timesteps.dtype, torch.float32)) * TIME_FACTOR
 
 
 def timestep_embedding(t: torch.Tensor, dim: int = TIME_EMBED_DIM, max_period: float = 10_000) -> torch.Tensor:
@@ -214,7 +222,7 @@ class FluxModel(nn.Module):
 
     def forward(self, img, img_ids, txt, txt_ids, timesteps, y) -> torch.Tensor:
         img = self.img_in(img)
-        vec = self.time_in(timestep_embedding(timesteps * TIME_FACTOR).to(img.dtype)) + self.vector_in(y)
+        vec = self.time_in(timestep_embedding(time_argument(timesteps)).to(img.dtype)) + self.vector_in(y)
         txt = self.txt_in(txt)
         pe = rope_tables(torch.cat((txt_ids, img_ids), dim=0), self.cfg.axes_dims_rope)
         for block in self.double_blocks:

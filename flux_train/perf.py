@@ -1,7 +1,9 @@
 """Performance plumbing: attention backend, regional compile of the DiT blocks, FP8 GEMMs, CUDA graphs.
 
-- `perf.attention`: SDPA backends other than the chosen one are switched off (the cuDNN backend's backward
-  failed for this model on the H100/H200 image, so the default is flash).
+- `perf.attention`: SDPA backends other than the chosen one are switched off. `auto` takes, in bf16, the
+  backend measured fastest on the platform (`preferred_attention`) once a forward and backward of it on the
+  flux attention shape matched flash's; a failure falls back to flash and says why. In fp32 (no flash
+  kernel) `auto` leaves the choice to torch.
 - `perf.compile=block`: each double/single block is its own torch.compile region (fullgraph), applied before
   FSDP wraps it, so FSDP's all-gathers and the DDP layout's gather waits stay outside the graphs (a region
   per block stack measured 1.02x of this on one H200, and cannot hold those per-block hooks).
@@ -13,6 +15,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -21,20 +24,73 @@ from torch import nn
 from flux_train.kernels.fp8 import convert_to_fp8, device_e4m3
 from flux_train.model import block_stacks, is_token_linear
 
-SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
+
+def preferred_attention(device: torch.device) -> str:
+    """The SDPA backend measured fastest for Flux's attention (24 heads x 512 tokens x 128, bf16) on this GPU:
+    cuDNN on Hopper (H200, torch 2.11 + cuDNN 9 for CUDA 13: forward+backward 0.66 ms against flash's 1.00,
+    and half the attention time of a training step; README "Performance"), flash elsewhere (ROCm's flash is
+    its own kernels; cuDNN is NVIDIA's; other NVIDIA GPUs are not measured)."""
+    if torch.version.hip or torch.cuda.get_device_capability(device) != (9, 0):
+        return "flash"
+    return "cudnn"
 
 
-def select_attention_backend(name: str) -> None:
-    if name == "auto" or not torch.cuda.is_available():
-        return
+def attention_problem(name: str, device: torch.device) -> str | None:
+    """Why backend `name` cannot train Flux's attention here (its error, or output/gradients off flash's by more
+    than bf16 rounding), or None: one forward and backward at the model's shape and strides, against flash."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    g = torch.Generator(device=device).manual_seed(0)
+    qkv = torch.randn(3, 2, 512, 24, 128, device=device, generator=g, dtype=torch.bfloat16)
+    dout = torch.randn(2, 24, 512, 128, device=device, generator=g, dtype=torch.bfloat16)
+    results = {}
+    for backend in ("flash", name):
+        q, k, v = (t.detach().requires_grad_() for t in qkv)
+        try:
+            with sdpa_kernel(backends[backend]):
+                out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+                out.backward(dout)
+        except RuntimeError as exc:
+            return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+        results[backend] = [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
+    for what, a, b in zip(("output", "dq", "dk", "dv"), results[name], results["flash"]):
+        err = ((a - b).norm() / b.norm()).item()
+        if not err < 2e-2:  # bf16 rounding of both is ~4e-3
+            return f"its {what} differs from flash's by {err:.1%}"
+    return None
+
+
+def select_attention_backend(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None) -> str:
+    """Switch on one SDPA backend (`perf.attention`) and return its name; `auto`: see the module docstring."""
+    if not torch.cuda.is_available():
+        return "torch's choice"
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    if name == "auto":
+        if dtype != torch.bfloat16:
+            for enable in (
+                torch.backends.cuda.enable_flash_sdp,
+                torch.backends.cuda.enable_mem_efficient_sdp,
+                torch.backends.cuda.enable_cudnn_sdp,
+                torch.backends.cuda.enable_math_sdp,
+            ):
+                enable(True)
+            return "torch's choice"
+        name = preferred_attention(device)
+        problem = attention_problem(name, device) if name != "flash" else None
+        if problem:
+            warnings.warn(f"perf.attention=auto: {name} attention failed its check here ({problem}); using flash")
+            name = "flash"
     torch.backends.cuda.enable_flash_sdp(name == "flash")
     torch.backends.cuda.enable_mem_efficient_sdp(name == "efficient")
     torch.backends.cuda.enable_cudnn_sdp(name == "cudnn")
     torch.backends.cuda.enable_math_sdp(name == "math")
+    return name
 
 
-def apply_fp8(model: nn.Module, recipe: str, impl: str, device: torch.device) -> nn.Module:
-    """FP8 for the blocks' token GEMMs (before compile and sharding); recipe 'none' leaves the model as it is."""
+def apply_fp8(model: nn.Module, recipe: str, impl: str, device: torch.device, history: int = 16) -> nn.Module:
+    """FP8 for the blocks' token GEMMs (before compile and sharding); recipe 'none' leaves the model as it is.
+    Ours need `FP8Scaling.of(model, device)` once the model is on its device (their scale buffers)."""
     if recipe == "none":
         return model
     if impl == "torchao":
@@ -45,7 +101,7 @@ def apply_fp8(model: nn.Module, recipe: str, impl: str, device: torch.device) ->
             config=Float8LinearConfig.from_recipe_name(recipe),
             module_filter_fn=lambda module, fqn: is_token_linear(fqn, module),
         )
-    return convert_to_fp8(model, recipe, device_e4m3(device), is_token_linear)
+    return convert_to_fp8(model, recipe, device_e4m3(device), is_token_linear, history)
 
 
 def compile_blocks(model: nn.Module, mode: str) -> nn.Module:

@@ -27,6 +27,7 @@ from flux_train.diffusers_adapter import load_pretrained
 from flux_train.errors import Parser, reports_user_errors
 from flux_train.evaluate import evaluate
 from flux_train.heartbeat import Heartbeat, stragglers
+from flux_train.kernels.fp8 import FP8Scaling
 from flux_train.metrics import Metrics
 from flux_train.mllog import C, MLLogger
 from flux_train.model import build_model, check_weights, count_params, flops_per_sample, reference_init
@@ -122,24 +123,25 @@ class Trainer:
         self.device = self.dist.device
         self.dtype = DTYPES[t.compute_dtype]
         self.accum = accumulation_steps(cfg, self.dist.world_size)
-        if self.device.type == "cuda" and cfg.perf.attention == "flash" and self.dtype == torch.float32:
+        if self.device.type == "cuda" and cfg.perf.attention in ("flash", "cudnn") and self.dtype == torch.float32:
             raise ConfigError(
-                "perf.attention=flash needs train.compute_dtype=bfloat16 (flash SDPA has no fp32 "
+                f"perf.attention={cfg.perf.attention} needs train.compute_dtype=bfloat16 (it has no fp32 "
                 "kernel); set perf.attention=auto for fp32 runs"
             )
         if cfg.perf.cuda_graphs and self.device.type != "cuda":
             raise ConfigError("perf.cuda_graphs needs a GPU; set perf.cuda_graphs=false on the CPU")
-        select_attention_backend(cfg.perf.attention)
+        self.attention = select_attention_backend(cfg.perf.attention, self.dtype, self.device)
         model = build_model(cfg.model, cfg.perf.rmsnorm)
         self.n_params = count_params(model)
         initial = self._initial_weights(model)
-        apply_fp8(model, cfg.perf.fp8, cfg.perf.fp8_impl, self.device)
+        apply_fp8(model, cfg.perf.fp8, cfg.perf.fp8_impl, self.device, cfg.perf.fp8_amax_history)
         if cfg.parallel.activation_checkpointing:
             checkpoint_blocks(model)
         compile_blocks(model, cfg.perf.compile)
         self.training = build_training(model, self.dist.mesh, cfg.parallel, t, self.dtype, self.device)
         self.model = self.training.model
         self.training.assign_weights(initial)
+        self.fp8 = FP8Scaling.of(self.model, self.device, cfg.perf.fp8_margin)  # perf.fp8=delayed: its scales
         # perf.cuda_graphs: the whole step as one CUDA graph, captured during warm-up, reading every
         # micro-batch's inputs from static buffers
         self.step_graph: CudaGraph | None = None
@@ -154,12 +156,15 @@ class Trainer:
         self.eval_count = 0
         self.stop_requested = False
         self.flops_per_sample: float | None = None
-        if self.resume_from is not None:
-            progress, loader_state = checkpoint.load(self.resume_from, self.training)
-            self.step, self.eval_count = progress["step"], progress["eval_count"]
-            self.data.train.load_state_dict(loader_state)
-            if self.dist.is_main:
-                print(f"flux-train: resumed from {self.resume_from} at step {self.step}", flush=True)
+
+    def _resume(self) -> None:
+        """The checkpoint's state, after the warm-up (whose steps would overwrite the optimizer's moments)."""
+        progress, loader_state = checkpoint.load(self.resume_from, self.training)
+        self.step, self.eval_count = progress["step"], progress["eval_count"]
+        self.data.train.load_state_dict(loader_state)
+        if self.fp8 is not None and "fp8" in progress:  # else (no FP8 before): the history starts empty
+            self.fp8.load_state_dict(progress["fp8"])
+        self._say(f"resumed from {self.resume_from} at step {self.step}")
 
     def _check_before_init(self) -> None:
         """Inputs that would otherwise fail after init_start, or after minutes of building: one line each."""
@@ -193,6 +198,8 @@ class Trainer:
             "samples": self.step * self.cfg.train.global_batch_size,
             "strategy": self.training.strategy,
         }
+        if self.fp8 is not None:
+            progress["fp8"] = self.fp8.state_dict()
         path = self.checkpointer.save(self.step, self.training, self.data.train.state_dict(), progress)
         if self.dist.is_main:
             print(f"flux-train: {'saving' if self.checkpointer.async_save else 'saved'} checkpoint {path}", flush=True)
@@ -263,7 +270,7 @@ class Trainer:
         if graphed:
             loss_sum, grad_norm = self._replay_step(staged)
         else:
-            loss_sum, grad_norm = sum(losses), self.training.step()
+            loss_sum, grad_norm = sum(losses), self._optimizer_step()
         self.step += 1
         return loss_sum, grad_norm, data_wait
 
@@ -292,9 +299,16 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro, (inputs, target) in enumerate(self.static):
             loss_sum += self._forward_backward(inputs, target, micro)
-        grad_norm = self.training.step()
+        grad_norm = self._optimizer_step()
         self.training.wait_params()  # the all-gathers end inside the graph
         return loss_sum, grad_norm
+
+    def _optimizer_step(self) -> torch.Tensor:
+        """Clipping and AdamW (returns the gradient norm), then the FP8 scales of the next step."""
+        grad_norm = self.training.step()
+        if self.fp8 is not None:
+            self.fp8.update()
+        return grad_norm
 
     def warm_up(self, iters: int) -> None:
         """Compile, tune and capture graphs before run_start on synthetic tensors (the rules start the clock
@@ -317,6 +331,8 @@ class Trainer:
             self._step(lambda: batch, lr=0.0)
         self.step = step
         self.training.reset_optimizer()  # AdamW starts from zero moments and step 0 at the first real step
+        if self.fp8 is not None:
+            self.fp8.reset()  # and FP8 from no amax history
         self.flops_per_sample = None  # measured again on the first real batch
 
     # ------------------------------------------------------------------ eval and the loop
@@ -377,10 +393,13 @@ class Trainer:
         self._say(
             f"{cfg.model.flavor} {self.n_params / 1e9:.3f} B params, world {self.dist.world_size}, "
             f"GBS {t.global_batch_size} (micro {t.micro_batch_size} x accum {self.accum}), "
-            f"eval every {eval_interval_steps(cfg)} steps, {cfg.parallel.strategy} on {self.device}"
+            f"eval every {eval_interval_steps(cfg)} steps, {cfg.parallel.strategy} on {self.device}, "
+            f"attention {self.attention}, FP8 {cfg.perf.fp8}"
         )
         self._install_stop_signal()
         self.warm_up(cfg.perf.warmup_iters)
+        if self.resume_from is not None:
+            self._resume()
         if self.resume_from is None:
             self.mllog.end(C.INIT_STOP)
             self.mllog.start(C.RUN_START)
@@ -437,6 +456,7 @@ class Trainer:
                 loss=mean_loss,
                 lr=lr_at(self.step - 1, t.lr, t.warmup_steps),
                 grad_norm=float(grad_norm),
+                **({"fp8_overflows": int(self.fp8.overflows)} if self.fp8 is not None else {}),
             )
             if stop:
                 self.mllog.block_stop(samples)

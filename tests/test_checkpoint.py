@@ -256,3 +256,20 @@ def test_async_checkpoints_complete_and_resume_exactly(tmp_path, device):
     rel = 1e-6 if device == "cpu" else 1e-4  # GPU kernels may sum in a different order from run to run
     for step in range(1, 7):
         assert resumed[step] == pytest.approx(full[step], rel=rel, abs=1e-7), step
+
+
+def test_fp8_run_resumed_after_its_warm_up_continues_exactly(tmp_path):
+    """A delayed-scaling FP8 run resumed from its step-4 checkpoint continues with the losses of the run that
+    never stopped: the checkpoint carries the amax history, and the warm-up steps (synthetic tensors, then the
+    optimizer's moments and the amax history reset) run before the checkpoint is loaded, not after."""
+    fp8 = ["--set", "train.compute_dtype=bfloat16", "--set", "perf.fp8=delayed", "--set", "perf.warmup_iters=1"]
+    run(tmp_path / "full", *fp8, "--set", "train.max_steps=6")
+    out = tmp_path / "split"
+    run(out, *fp8, "--set", "train.max_steps=4", "--set", "checkpoint.every_steps=4")
+    crashed_after_step_4(out)
+    assert "resumed from" in run(out, *fp8, "--set", "train.max_steps=6")
+    full, resumed = losses(tmp_path / "full"), losses(out)
+    assert sorted(resumed) == list(range(1, 7))
+    for step in range(1, 7):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+    assert column(out, "fp8_overflows")[-1] == column(tmp_path / "full", "fp8_overflows")[-1]

@@ -96,24 +96,120 @@ def test_attention_backend_is_selected_and_trains():
     assert loss > 0 and all(torch.isfinite(g).all() for g in grads.values())
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_cudnn_attention_is_checked_and_chosen_on_hopper():
+    """perf.attention=auto: on Hopper cuDNN's forward and backward at the flux shape match flash's, so auto picks
+    it; in fp32 auto leaves the choice to torch."""
+    from flux_train.perf import attention_problem
+
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("cuDNN attention is the measured choice on Hopper only")
+    assert attention_problem("cudnn", device) is None
+    assert select_attention_backend("auto", torch.bfloat16, device) == "cudnn"
+    assert torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+    model, cfg = small_model()
+    kw, target = inputs(cfg)
+    loss, grads = loss_and_grads(model, kw, target)  # cuDNN only: fails loudly if it cannot run the model
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    assert select_attention_backend("auto", torch.float32, device) == "torch's choice"
+    select_attention_backend("flash")
+
+
+def test_fp8_cast_kernel_writes_torch_e4m3_bits():
+    """On a GPU the kernel's e4m3 values are torch's rounding of the scaled values, bit for bit, in both layouts
+    (CPU tests compare before the conversion, which Triton's interpreter does not do faithfully)."""
+    from flux_train.kernels.fp8 import device_e4m3
+    from flux_train.kernels.fp8_cast import cast_transpose
+
+    fp8 = device_e4m3(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in ((4096, 3072), (1000, 200)):
+        x = (torch.randn(*shape, device="cuda", generator=g) * 3).bfloat16()
+        for history in (0.0, 0.005):
+            scale, amax = torch.tensor(history, device="cuda"), torch.zeros(1, device="cuda")
+            q, qt, s = cast_transpose(x, scale, amax, fp8)
+            fmax = torch.finfo(fp8).max
+            want = (x.float() * (1.0 / s)).clamp(-fmax, fmax).to(fp8)
+            assert amax.item() == x.float().abs().max().item()
+            assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), (shape, history)
+            assert torch.equal(qt.view(torch.uint8), want.t().contiguous().view(torch.uint8)), (shape, history)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "delayed"])
 def test_fp8_linear_on_tensor_cores_matches_its_cpu_emulation(recipe):
     """torch._scaled_mm with our operand layouts and scales computes what the CPU emulation computes (same
-    e4m3 values and scales; only the accumulation order differs), forward and both gradients."""
-    from flux_train.kernels.fp8 import linear
+    e4m3 values and scales; only the accumulation order differs), forward and both gradients, over two steps
+    (delayed: the second from the history)."""
+    from torch import nn
+
+    from flux_train.kernels.fp8 import FP8Scaling, convert_to_fp8
 
     g = torch.Generator().manual_seed(3)
-    x = (torch.randn(2, 64, 256, generator=g) * torch.logspace(-2, 2, 256)).bfloat16()
     w = torch.randn(384, 256, generator=g) * 0.05
-    dy = torch.randn(2, 64, 384, generator=g).bfloat16()
+    batches = [
+        ((torch.randn(2, 64, 256, generator=g) * torch.logspace(-2, 2, 256)).bfloat16(), torch.randn(2, 64, 384))
+        for _ in range(2)
+    ]
     results = {}
     for device in ("cpu", "cuda"):
-        xd, wd = x.detach().to(device).requires_grad_(), w.detach().to(device).requires_grad_()
-        y = linear(xd, wd, None, recipe)
-        y.backward(dy.to(device))
-        results[device] = [t.float().cpu() for t in (y, xd.grad, wd.grad)]
+        lin = nn.Linear(256, 384, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        lin = convert_to_fp8(lin.to(device), recipe, torch.float8_e4m3fn, lambda fqn, m: True)
+        scaling = FP8Scaling.of(lin, torch.device(device))
+        results[device] = []
+        for x, dy in batches:
+            xd = x.to(device).requires_grad_()
+            y = lin(xd)
+            y.backward(dy.to(device).bfloat16())
+            results[device] += [t.float().cpu() for t in (y, xd.grad, lin.weight.grad)]
+            lin.weight.grad = None
+            if scaling is not None:
+                scaling.update()
     for cpu, gpu in zip(results["cpu"], results["cuda"]):
         assert ((gpu - cpu).norm() / cpu.norm()).item() < 1e-2
+
+
+def test_fp8_delayed_blocks_compiled_and_graphed_match_eager():
+    """Delayed-scaling FP8 blocks under per-block torch.compile (the cast kernels are custom ops; dY's amax is
+    written in the backward) and inside a CUDA graph train like the eager blocks: losses, gradients and the
+    amax histories over three steps."""
+    from flux_train.kernels.fp8 import FP8Scaling, convert_to_fp8
+    from flux_train.model import is_token_linear
+
+    select_attention_backend("flash")
+    runs = {}
+    for mode in ("eager", "compiled", "graphed"):
+        torch.manual_seed(0)  # the same weights for each
+        model, cfg = small_model(rmsnorm="triton")
+        convert_to_fp8(model, "delayed", torch.float8_e4m3fn, is_token_linear)
+        scaling = FP8Scaling.of(model, torch.device("cuda"))
+        compile_blocks(model, "none" if mode == "eager" else "block")
+        kw, target = inputs(cfg)
+        params = list(model.parameters())
+
+        def step():
+            for p in params:
+                p.grad = None
+            loss = flow.mse_loss(model(**kw), target)
+            loss.backward()
+            scaling.update()
+            return loss.detach()
+
+        run = CudaGraph(step, warmup=2) if mode == "graphed" else step
+        if mode == "graphed":  # the graph's warm-up ran two steps: start over from no history
+            scaling.reset()
+        losses = [run().item() for _ in range(3)]
+        grads = {n.replace("._orig_mod", ""): p.grad.float().clone() for n, p in model.named_parameters()}
+        history = torch.stack(scaling.histories).clone()
+        runs[mode] = (losses, grads, history)
+    eager = runs["eager"]
+    for mode in ("compiled", "graphed"):
+        losses, grads, history = runs[mode]
+        assert losses == pytest.approx(eager[0], rel=2e-2), mode
+        assert_grads_close(eager[1], grads)
+        assert torch.allclose(history, eager[2], rtol=5e-2), mode
+        assert (history[:, :, :3] > 0).all(), mode  # every layer and operand recorded each step
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

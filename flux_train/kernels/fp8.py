@@ -1,27 +1,34 @@
-"""FP8 (e4m3) linear layers for training, with dynamic scaling: `FP8Linear`, `linear(x, weight, bias, recipe)`.
+"""FP8 (e4m3) linear layers for training: `FP8Linear`, `linear(...)`, and the delayed scales (`FP8Scaling`).
 
-recipe "rowwise": one scale per row of each GEMM operand along its contraction dim (x per token, W per output
-channel in forward; dY per token and W per input channel for dX; dY and X per column for dW), the recipe that
-keeps Flux's outlier channels from flattening everything else. "tensorwise": one scale per tensor.
-Weights stay bf16/fp32 masters; only GEMM inputs are cast, per call. Accumulation is fp32 in the tensor cores
-(torch._scaled_mm) and outputs are bf16. On a CPU the same quantisation is emulated with a dequantised matmul,
-so the recipe's numerics can be checked anywhere. Shapes with a dimension not divisible by 16 fall back to bf16.
+Recipes (`perf.fp8`):
+- "delayed": one scale per tensor from the amax history of the last `perf.fp8_amax_history` steps (delayed
+  scaling, as Transformer Engine's default recipe). Each operand is read once: one kernel
+  (flux_train.kernels.fp8_cast) writes it in both layouts the tensor cores take and folds its amax into this
+  step's maximum; after each optimizer step `FP8Scaling.update` turns every layer's maxima into the next
+  step's scales in a few batched kernels, on the GPU (no host sync, so it runs inside a captured step). The
+  first step, before any history, scales from the current amax.
+- "tensorwise": the same kernels with current scaling (one more read of each operand, for its amax).
+- "rowwise": one scale per row of each GEMM operand along its contraction dim (x per token, W per output
+  channel in forward; dY per token and W per input channel for dX; dY and X per column for dW), the recipe
+  that keeps outlier channels from flattening everything else (torch ops).
+Weights stay bf16/fp32 masters; only GEMM inputs are cast. Accumulation is fp32 in the tensor cores
+(torch._scaled_mm) and outputs are bf16; the backward keeps the FP8 operands it needs, not the bf16 ones.
+On a CPU the same quantisation is emulated with a dequantised matmul, so the recipes' numerics can be checked
+anywhere. Shapes with a dimension not divisible by 16 fall back to bf16.
 
 The e4m3 format depends on the GPU: OCP `float8_e4m3fn` (max 448) on NVIDIA Hopper/Blackwell and AMD gfx950
 (MI355X), `float8_e4m3fnuz` (max 240, no negative zero) on AMD gfx942 (MI300X/MI325X), whose matrix cores
 reject the OCP format.
-
-FP8 tensor cores take both operands K-major, so every operand is needed in two layouts (X and W^T forward, dY
-and W for dX, dY^T and X^T for dW). Tensorwise, each operand is cast once into both (`cast_transpose`), which
-torch.compile turns into one pass over the operand after an amax it fuses into the operand's producer; the
-backward then finds its layouts ready instead of copying 1-byte tensors into the other layout.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from flux_train.kernels.fp8_cast import cast_transpose
 
 E4M3 = torch.float8_e4m3fn
 
@@ -58,14 +65,6 @@ def quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype = E4M3) -> tup
     return cast(x, scale, dtype), scale
 
 
-def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`cast(x)`, the same transposed and row-major) for a 2-D x: under torch.compile one kernel that reads x
-    once and writes both (0.24 ms for 8192 x 12288 with its producer and amax on an H200, 1.3x the byte floor;
-    a hand-written Triton kernel measured 0.86 ms)."""
-    q = cast(x, scale, dtype)
-    return q, q.t().contiguous()
-
-
 def _column_major(x: torch.Tensor) -> torch.Tensor:
     return x.t().contiguous().t()
 
@@ -83,37 +82,40 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     return ((a.float() * a_scale) @ (b.float() * b_scale)).to(torch.bfloat16)
 
 
-def _dims(recipe: str, dim: int) -> int | None:
-    return dim if recipe == "rowwise" else None
+class _TensorwiseLinear(torch.autograd.Function):
+    """x2 @ weight^T with one scale per tensor. `scales` [3] (x, w, dY; 0 = current scaling) are read, `amax` [2]
+    (x, w) and `amax_grad` [1] (dY) raised to this call's maxima."""
 
-
-class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
-        ctx.recipe, ctx.weight_dtype, ctx.dtype = recipe, weight.dtype, dtype
-        if recipe == "tensorwise":
-            # the scales serve the backward GEMMs too: cast each operand once into both layouts and keep the
-            # transposes the backward needs (e4m3: half the bytes of the high-precision operands)
-            xs, ws = scale_of(x2, None, dtype), scale_of(weight, None, dtype)
-            xq, xq_t = cast_transpose(x2, xs, dtype)
-            wq, wq_t = cast_transpose(weight, ws, dtype)
-            ctx.save_for_backward(xq_t, xs, wq_t, ws)
-            return scaled_mm(xq, xs, wq.t(), ws)
-        # rowwise backward scales run along the other axis and need the high-precision operands
+    def forward(ctx, x2, weight, scales, amax, amax_grad, dtype):
+        xq, xq_t, xs = cast_transpose(x2, scales[0], amax[0:1], dtype)
+        wq, wq_t, ws = cast_transpose(weight, scales[1], amax[1:2], dtype)
+        ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
+        # the backward's operands in the layouts it needs, in e4m3: half the bytes of the bf16 ones
+        ctx.save_for_backward(xq_t, xs, wq_t, ws, scales, amax_grad)
+        return scaled_mm(xq, xs, wq.t(), ws)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq_t, xs, wq_t, ws, scales, amax_grad = ctx.saved_tensors
+        dyq, dyq_t, dys = cast_transpose(dy.contiguous(), scales[2], amax_grad, ctx.dtype)
+        dx = scaled_mm(dyq, dys, wq_t.t(), ws)  # dX = dY @ W, W as [N,K] column-major
+        dw = scaled_mm(dyq_t, dys, xq_t.t(), xs)  # dW = dY^T @ X, X as [M,K] column-major
+        return dx, dw.to(ctx.weight_dtype), None, None, None, None
+
+
+class _RowwiseLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.weight_dtype, ctx.dtype = weight.dtype, dtype
         xq, xs = quantize(x2, 1, dtype)  # per token
         wq, ws = quantize(weight, 1, dtype)  # per output channel
+        # rowwise backward scales run along the other axis and need the high-precision operands
         ctx.save_for_backward(x2, weight)
         return scaled_mm(xq, xs, wq.t(), ws.t())
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if ctx.recipe == "tensorwise":
-            xq_t, xs, wq_t, ws = ctx.saved_tensors
-            dys = scale_of(dy, None, ctx.dtype)
-            dyq, dyq_t = cast_transpose(dy, dys, ctx.dtype)
-            dx = scaled_mm(dyq, dys, wq_t.t(), ws)  # dX = dY @ W, W as [N,K] column-major
-            dw = scaled_mm(dyq_t, dys, xq_t.t(), xs)  # dW = dY^T @ X, X as [M,K] column-major
-            return dx, dw.to(ctx.weight_dtype), None, None
         x2, weight = ctx.saved_tensors
         wq, ws = quantize(weight, 0, ctx.dtype)  # per input channel (over N)
         dyq, dys = quantize(dy, 1, ctx.dtype)  # per token (over N)
@@ -121,38 +123,114 @@ class _FP8Linear(torch.autograd.Function):
         xq0, xs0 = quantize(x2, 0, ctx.dtype)
         dx = scaled_mm(dyq, dys, _column_major(wq), ws)  # dX = dY @ W
         dw = scaled_mm(dyq0.t().contiguous(), dys0.t(), _column_major(xq0), xs0)  # dY^T X
-        return dx, dw.to(ctx.weight_dtype), None, None
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str = "none", dtype: torch.dtype = E4M3
-) -> torch.Tensor:
-    """F.linear, in FP8 when `recipe` names one and the shapes allow it."""
-    n, k = weight.shape
-    m = x.numel() // k
-    if recipe == "none" or n % 16 or k % 16 or m % 16:
-        return F.linear(x, weight, bias)
-    y = _FP8Linear.apply(x.reshape(m, k), weight.to(x.dtype), recipe, dtype).reshape(*x.shape[:-1], n)
-    return y if bias is None else y + bias.to(y.dtype)
+        return dx, dw.to(ctx.weight_dtype), None
 
 
 class FP8Linear(nn.Linear):
-    """nn.Linear whose GEMMs run in FP8 (`recipe`); same parameters, so checkpoints do not change."""
+    """nn.Linear whose GEMMs run in FP8 (`recipe`); same parameters, so checkpoints do not change. The
+    tensorwise recipes read their scales from `fp8_scale` and write this step's maxima into `fp8_amax` /
+    `fp8_amax_grad` (buffers made by `FP8Scaling.of`; outside a training forward, into fresh ones)."""
 
-    recipe: str = "tensorwise"
+    recipe: str = "delayed"
     fp8_dtype: torch.dtype = E4M3
+    history: int = 16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.recipe, self.fp8_dtype)
+        n, k = self.weight.shape
+        m = x.numel() // k
+        if n % 16 or k % 16 or m % 16:
+            return F.linear(x, self.weight, self.bias)
+        x2, weight = x.reshape(m, k), self.weight.to(x.dtype)
+        if self.recipe == "rowwise":
+            y = _RowwiseLinear.apply(x2, weight, self.fp8_dtype)
+        else:
+            # delayed scaling records the maxima of training steps only; current scaling needs fresh maxima
+            record = self.recipe == "delayed" and torch.is_grad_enabled()
+            amax = self.fp8_amax if record else torch.zeros(2, device=x.device)
+            amax_grad = self.fp8_amax_grad if record else torch.zeros(1, device=x.device)
+            y = _TensorwiseLinear.apply(x2, weight, self.fp8_scale, amax, amax_grad, self.fp8_dtype)
+        y = y.reshape(*x.shape[:-1], n)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}, fp8={self.fp8_dtype}"
 
 
-def convert_to_fp8(model: nn.Module, recipe: str, dtype: torch.dtype, module_filter) -> nn.Module:
-    """Turn the Linears that `module_filter(fqn, module)` selects into FP8Linear in place (meta or real)."""
+def convert_to_fp8(model: nn.Module, recipe: str, dtype: torch.dtype, module_filter, history: int = 16) -> nn.Module:
+    """Turn the Linears that `module_filter(fqn, module)` selects into FP8Linear in place (meta or real); their
+    scale buffers are made by `FP8Scaling.of` once the model is on its device."""
     for fqn, module in list(model.named_modules()):
         if module_filter(fqn, module) and type(module) is nn.Linear:
             module.__class__ = FP8Linear
-            module.recipe, module.fp8_dtype = recipe, dtype
+            module.recipe, module.fp8_dtype, module.history = recipe, dtype, history
     return model
+
+
+class FP8Scaling:
+    """The delayed scales of a model's FP8Linears: per layer an amax history [3, H] (x, w, dY; newest first)
+    and the scales [3] the next step casts with: max(history) * 2^margin / max(e4m3), 0 while the history is
+    empty (current scaling). All ranks agree on them (this step's maxima are all-reduced), so a checkpoint holds
+    one copy. `overflows` counts (layer, operand) pairs whose step maximum exceeded what its scale could hold
+    (those values saturated)."""
+
+    def __init__(self, layers: list[FP8Linear], margin: int, device: torch.device):
+        self.layers, self.margin = layers, margin
+        self.fmax = torch.finfo(layers[0].fp8_dtype).max
+        self.histories = [m.fp8_history for m in layers]
+        self.scales = [m.fp8_scale for m in layers]
+        self.maxima = [m.fp8_amax for m in layers] + [m.fp8_amax_grad for m in layers]  # [2] each, then [1]
+        self.overflows = torch.zeros((), dtype=torch.int64, device=device)
+
+    @classmethod
+    def of(cls, model: nn.Module, device: torch.device, margin: int = 0) -> FP8Scaling | None:
+        """Give every FP8Linear of `model` its (zeroed) scale buffers on `device`; the scaling of the delayed
+        ones, or None if there are none."""
+        layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+        for m in layers:
+            m.register_buffer("fp8_scale", torch.zeros(3, device=device), persistent=False)
+            m.register_buffer("fp8_amax", torch.zeros(2, device=device), persistent=False)
+            m.register_buffer("fp8_amax_grad", torch.zeros(1, device=device), persistent=False)
+            m.register_buffer("fp8_history", torch.zeros(3, m.history, device=device), persistent=False)
+        delayed = [m for m in layers if m.recipe == "delayed"]
+        return cls(delayed, margin, device) if delayed else None
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """After an optimizer step: this step's maxima (max over ranks) into the histories, the next scales."""
+        n = len(self.layers)
+        maxima = torch.cat(self.maxima)
+        step = torch.cat([maxima[: 2 * n].view(n, 2), maxima[2 * n :].view(n, 1)], dim=1)  # [n, 3]: x, w, dY
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(step, op=dist.ReduceOp.MAX)
+        used = torch.stack(self.scales)
+        self.overflows += ((used > 0) & (step > used * self.fmax)).sum()
+        history = torch.cat([step[..., None], torch.stack(self.histories)[..., :-1]], dim=-1)
+        torch._foreach_copy_(self.histories, list(history.unbind(0)))
+        torch._foreach_copy_(self.scales, list(self._scales(history).unbind(0)))
+        torch._foreach_zero_(self.maxima)
+
+    def _scales(self, history: torch.Tensor) -> torch.Tensor:
+        return history.amax(-1) * 2.0**self.margin / self.fmax
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """No history (after warm-up steps on synthetic data): the next step scales from current maxima."""
+        torch._foreach_zero_(self.histories + self.scales + self.maxima)
+        self.overflows.zero_()
+
+    def state_dict(self) -> dict:
+        return {"history": torch.stack(self.histories).cpu(), "overflows": self.overflows.cpu()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        history = state["history"]
+        if tuple(history.shape) != (len(self.layers), 3, self.layers[0].history):
+            raise ValueError(
+                f"FP8 amax history of shape {tuple(history.shape)}, this model has {len(self.layers)} delayed "
+                f"layers with perf.fp8_amax_history={self.layers[0].history}"
+            )
+        history = history.to(self.overflows.device)
+        torch._foreach_copy_(self.histories, list(history.unbind(0)))
+        torch._foreach_copy_(self.scales, list(self._scales(history).unbind(0)))
+        torch._foreach_zero_(self.maxima)
+        self.overflows.copy_(state["overflows"])

@@ -1,4 +1,5 @@
-"""RMSNorm over the last dim with fp32 math and a learned scale: the Q/K norms of Flux (dim 128, eps 1e-6).
+"""RMSNorm over the last dim with fp32 math and a learned scale: the Q/K norms of Flux (dim 128). Its eps is, as
+torch's `nn.RMSNorm` built without one (the reference's), the machine epsilon of the input's dtype: 2^-7 in bf16.
 
 `rms_norm(x, weight, eps)` runs the Triton forward/backward kernels on a GPU when Triton is importable and
 `impl` allows it, otherwise the torch expression below (also the CPU path and the test reference).
@@ -134,14 +135,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "aut
 class RMSNorm(nn.Module):
     """RMSNorm with a learned `scale` (the reference's parameter name)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, impl: str = "auto", device=None, dtype=None):
+    def __init__(self, dim: int, eps: float | None = None, impl: str = "auto", device=None, dtype=None):
         super().__init__()
-        self.eps = eps
+        self.eps = eps  # None: the input dtype's machine epsilon
         self.impl = impl
         self.scale = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.scale, self.eps, self.impl)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return rms_norm(x, self.scale, eps, self.impl)
 
     def extra_repr(self) -> str:
         return f"{self.scale.shape[0]}, eps={self.eps}, impl={self.impl}"

@@ -1,0 +1,147 @@
+"""One pass from a bf16 GEMM operand to its e4m3 forms: `cast_transpose(x, scale, amax, dtype)`.
+
+FP8 tensor cores on Hopper take both operands K-major, so the backward needs every operand in the other layout
+too. One kernel reads a 2-D bf16 tensor once and writes the e4m3 values in both layouts (4 bytes moved per
+element, the floor for an operand both layouts of which are used), and folds |x|'s maximum into `amax` with
+an atomic max, so the amax of the next step's scale costs no pass of its own.
+
+`scale` is the dequantisation scale s (x ~= q * s) from an amax history (delayed scaling, 0-dim fp32 device
+tensor). Where it is 0 (no history yet: the first step, or a recipe without one) a first kernel takes the
+tensor's amax (one more 2-byte read) and the cast uses amax / max(e4m3): current scaling, decided on the GPU,
+so the same captured graph serves both. Returns (q, q transposed or an empty tensor, the scale used).
+
+The Triton path is a `torch.library.triton_op`: torch.compile calls the kernels as they are (Inductor does not
+re-trace them) and CUDA graphs capture them. `cast_transpose_torch` is the same in torch ops: the CPU path
+and the tests' reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on, tl, triton
+
+if HAVE_TRITON:
+    from torch.library import triton_op, wrap_triton
+
+TINY_AMAX = 1e-12  # an all-zero tensor (a gradient before the gates open) casts to zeros, not NaN
+
+
+def cast_transpose_torch(
+    x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, transpose: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fmax = torch.finfo(dtype).max
+    amax.copy_(torch.maximum(amax, x.abs().amax().float()))
+    s = torch.where(scale > 0, scale, amax.clamp(min=TINY_AMAX) / fmax).reshape(())
+    q = (x.float() * (1.0 / s)).clamp(-fmax, fmax).to(dtype)
+    return q, q.t().contiguous() if transpose else q.new_empty(0), s
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _amax_kernel(X, SCALE, AMAX, n, BLOCK: tl.constexpr):
+        # current scaling only: with a scale from the history the programs end at once
+        if tl.load(SCALE) <= 0:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
+                acc = tl.maximum(acc, tl.abs(x))
+            tl.atomic_max(AMAX, tl.max(acc, axis=0))
+
+    @triton.jit
+    def _cast_transpose_kernel(
+        X,
+        Q,
+        QT,
+        SCALE,
+        AMAX,
+        S_OUT,
+        M,
+        K,
+        FMAX: tl.constexpr,
+        TRANSPOSE: tl.constexpr,
+        BM: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BK + tl.arange(0, BK)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        r64 = rows.to(tl.int64)
+        c64 = cols.to(tl.int64)
+        x = tl.load(X + r64[:, None] * K + c64[None, :], mask=mask, other=0.0).to(tl.float32)
+        hist = tl.load(SCALE)
+        # with no history AMAX already holds this tensor's amax (the kernel above), and the atomic maxes
+        # below cannot raise it: every program reads the same value
+        s = tl.where(hist > 0, hist, tl.div_rn(tl.maximum(tl.load(AMAX), 1e-12), FMAX))
+        inv = tl.div_rn(1.0, s)
+        # NaN stays NaN (a diverging run must show it), large values saturate
+        y = tl.clamp(x * inv, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        q = y.to(Q.dtype.element_ty)
+        tl.store(Q + r64[:, None] * K + c64[None, :], q, mask=mask)
+        if TRANSPOSE:
+            # the same registers at the transposed addresses: Triton stages the tile through shared memory so
+            # that both stores are coalesced
+            tl.store(QT + c64[None, :] * M + r64[:, None], q, mask=mask)
+        tl.atomic_max(AMAX, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(S_OUT, s)
+
+    _AMAX_BLOCK = 4096
+    _TILE = (64, 128)  # rows x columns of x: 256-byte loads, 128- and 64-byte stores per row/column
+
+    def _amax_programs(x: torch.Tensor) -> int:
+        if x.is_cuda:
+            return 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
+        return 4
+
+    @triton_op("flux_train::fp8_cast_transpose", mutates_args={"amax"})
+    def _cast_transpose_triton(
+        x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, fmax: float, transpose: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`dtype` the values' type (e4m3; the tests take fp32 values under the interpreter, whose e4m3
+        conversion is not faithful), `fmax` the e4m3 format's largest value."""
+        m, k = x.shape
+        q = torch.empty((m, k), device=x.device, dtype=dtype)
+        qt = torch.empty((k, m) if transpose else (0,), device=x.device, dtype=dtype)
+        s = torch.empty((), device=x.device, dtype=torch.float32)
+        n = m * k
+        programs = max(1, min(_amax_programs(x), triton.cdiv(n, _AMAX_BLOCK)))
+        wrap_triton(_amax_kernel)[(programs,)](x, scale, amax, n, BLOCK=_AMAX_BLOCK)
+        bm, bk = _TILE
+        wrap_triton(_cast_transpose_kernel)[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
+            x,
+            q,
+            qt,
+            scale,
+            amax,
+            s,
+            m,
+            k,
+            FMAX=fmax,
+            TRANSPOSE=transpose,
+            BM=bm,
+            BK=bk,
+            num_warps=8,
+        )
+        return q, qt, s
+
+
+def cast_transpose(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    transpose: bool = True,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 x, e4m3 x transposed (row-major; empty unless `transpose`), the scale used) for a contiguous 2-D x;
+    `amax` (1-element fp32) is raised to |x|'s maximum. `impl`: auto (Triton on a GPU, torch elsewhere),
+    triton (also on the CPU under Triton's interpreter: the tests), torch."""
+    use_triton = impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda)
+    if use_triton:
+        if not kernels_run_on(x.device):
+            raise RuntimeError("the Triton FP8 cast needs a GPU (or Triton's interpreter on the CPU)")
+        return _cast_transpose_triton(x.contiguous(), scale, amax, dtype, torch.finfo(dtype).max, transpose)
+    return cast_transpose_torch(x, scale, amax, dtype, transpose)
