@@ -41,8 +41,14 @@ from flux_train.data import synthetic_samples
 from flux_train.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
 from flux_train.kernels.fp8 import FP8Scaling
-from flux_train.model import build_model, flops_per_sample, init_weights
-from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
+from flux_train.model import build_model, flops_per_sample, init_weights, is_token_linear
+from flux_train.perf import (
+    CudaGraph,
+    apply_fp8,
+    compile_blocks,
+    select_attention_backend,
+    torch_default_attention,
+)
 
 FWDBWD_ROWS = (
     "stock-eager",
@@ -58,6 +64,7 @@ FWDBWD_ROWS = (
     "ours-torch-rmsnorm",
 )
 STEP_ROWS = ("stock", "ours")
+CAST_ROWS = ("ours-fp8-delayed", "ours-fp8-tensorwise")
 
 
 def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
@@ -121,10 +128,10 @@ def free_memory() -> None:
 # while "fp8 casts" are the kernels that name amax or the FP8 types
 KERNEL_KINDS = (
     ("nccl", ("nccl",)),
-    ("attention", ("flash", "fmha")),
+    ("attention", ("flash", "fmha", "sdpa")),
     ("optimizer + clip", ("adamw", "adam", "multi_tensor", "foreach", "norm_kernel", "reduce_kernel", "lerp")),
     ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
-    ("fp8 casts", ("amax", "float8", "fp8")),
+    ("fp8 casts", ("amax", "float8", "fp8", "cast_transpose")),
     ("copies, dtype casts", ("chunk_cat", "split_with_sizes", "copy", "catarray")),
     ("elementwise (triton)", ("triton",)),
 )
@@ -214,7 +221,13 @@ def fwdbwd_model(cfg: Config, row: str):
     return lambda kw: model(**kw), model, perf.cuda_graphs, scaling
 
 
+def row_attention(cfg: Config, row: str) -> str:
+    """The SDPA backend a row runs with: torch's own choice for stock code, perf.attention for ours."""
+    return torch_default_attention() if row.startswith("stock") else select_attention_backend(cfg.perf.attention)
+
+
 def run_fwdbwd(cfg: Config, args, row: str) -> dict:
+    attention = row_attention(cfg, row)
     kw, target = synthetic_inputs(cfg, args.batch, args.text_len, args.latent)
     forward, module, graphs, scaling = fwdbwd_model(cfg, row)
     params = list(module.parameters())
@@ -239,6 +252,7 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
         "row": row,
         "batch": args.batch,
         "precision": precision_of(row, cfg),
+        "attention": attention,
         "ms": round(seconds * 1000, 1),
         "samples_s_per_gpu": round(args.batch / seconds, 2),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
@@ -255,6 +269,75 @@ def precision_of(row: str, cfg: Config) -> str:
     return "bf16" if row.startswith("stock") or cfg.perf.fp8 == "none" else f"fp8 {cfg.perf.fp8}"
 
 
+# ------------------------------------------------------------------------------------ FP8 casts alone
+
+
+def token_gemm_operands(cfg: Config, batch: int, text_len: int, image_tokens: int) -> dict[tuple[int, int], int]:
+    """{(rows, cols): count} of every operand one forward+backward casts to FP8: x [M,K], W [N,K] and dY [M,N]
+    of each of the blocks' token Linears (model.is_token_linear), M their tokens in the batch."""
+    model = build_model(cfg.model)
+    shapes: dict[tuple[int, int], int] = {}
+    for fqn, module in model.named_modules():
+        if not is_token_linear(fqn, module):
+            continue
+        tokens = batch * (text_len if ".txt_" in fqn else image_tokens if ".img_" in fqn else text_len + image_tokens)
+        n, k = module.weight.shape
+        for shape in ((tokens, k), (n, k), (tokens, n)):
+            shapes[shape] = shapes.get(shape, 0) + 1
+    return shapes
+
+
+def copy_rate() -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read and written (the bandwidth a cast can reach)."""
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / cuda_seconds(lambda: y.copy_(x))
+
+
+def cuda_seconds(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000 / iters
+
+
+def run_casts(cfg: Config, args, row: str) -> dict:
+    """The FP8 cast kernel (kernels/fp8_cast.py) at every operand shape of one forward+backward at --batch: ms
+    per step against its byte floor at this GPU's copy rate. Delayed scaling moves 4 bytes per element (read bf16,
+    write both e4m3 layouts); current scaling (tensorwise) 6 (one more read for the amax)."""
+    from flux_train.kernels.fp8 import device_e4m3
+    from flux_train.kernels.fp8_cast import cast_transpose
+
+    fp8 = device_e4m3(torch.device("cuda"))
+    delayed = row == "ours-fp8-delayed"
+    rate = copy_rate()
+    shapes = token_gemm_operands(cfg, args.batch, args.text_len, (args.latent // 2) ** 2)
+    per_shape, total, floor = [], 0.0, 0.0
+    for (m, k), count in sorted(shapes.items()):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        scale = torch.full((), 1e-2 if delayed else 0.0, device="cuda")
+        amax = torch.zeros(1, device="cuda")
+        seconds = cuda_seconds(lambda: cast_transpose(x, scale, amax, fp8))
+        moved = (4 if delayed else 6) * m * k
+        per_shape.append([m, k, count, round(seconds * 1e6, 1), round(moved / seconds / 1e9)])
+        total += seconds * count
+        floor += moved / rate * count
+    return {
+        "mode": "casts",
+        "row": row,
+        "batch": args.batch,
+        "ms": round(total * 1000, 2),
+        "floor_ms": round(floor * 1000, 2),
+        "copy_tb_s": round(rate / 1e12, 2),
+        "shapes": per_shape,
+    }
+
+
 # ------------------------------------------------------------------------------------ training step
 
 
@@ -263,6 +346,7 @@ def run_step(cfg: Config, args, row: str) -> dict:
     mb = cfg.train.micro_batch_size
     base = {"mode": "step", "row": row, "world": world, "batch": mb, "accum": args.accum}
     try:
+        base["attention"] = row_attention(cfg, row)  # the trainer selects perf.attention again, the same way
         if row == "stock":
             seconds, warm, profile = stock_fsdp_step(cfg, args)
             base |= {"precision": "bf16", "label": "stock diffusers + FSDP2 (per-block compile, fused AdamW)"}
@@ -454,8 +538,11 @@ def print_table(rows: list[dict]) -> None:
         f"\n{'mode':6s} {'row':58s} {'batch':>5s} {'samples/s/GPU':>13s} {'MFU %':>6s} {'peak GiB':>8s} "
         f"{'vs stock':>8s} {'step eff':>8s} {'eval/s/GPU':>10s}"
     )
+    casts = [r for r in rows if r["mode"] == "casts"]
+    rows = [r for r in rows if r["mode"] != "casts"]
     for r in rows:
         name = r.get("label", r["row"]) + (f" [{r['precision']}]" if "precision" in r else "")
+        name += f" {r['attention']}" if r.get("attention") and not r["row"].startswith("stock") else ""
         if "error" in r:
             print(f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['error']}")
             continue
@@ -467,6 +554,13 @@ def print_table(rows: list[dict]) -> None:
             f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['samples_s_per_gpu']:13.2f} {mfu:6.1f} "
             f"{r['peak_gib']:8.1f} {ratio:>8s} {eff:>8s} {r.get('eval_samples_s_per_gpu', '-'):>10}"
         )
+    for r in casts:
+        print(
+            f"\nFP8 casts alone, {r['row']}, batch {r['batch']}: {r['ms']} ms per forward+backward, byte floor "
+            f"{r['floor_ms']} ms at {r['copy_tb_s']} TB/s ({r['ms'] / r['floor_ms']:.2f}x)"
+        )
+        for m, k, count, us, gbps in r["shapes"]:
+            print(f"  {m:6d} x {k:6d} x{count:4d}: {us:8.1f} us {gbps:6d} GB/s")
     profiled = [r for r in rows if "profile" in r]
     if profiled:
         kinds = list(profiled[0]["profile"])
@@ -516,15 +610,16 @@ def main(argv=None) -> int:
     p.add_overrides()
     p.add_argument(
         "--mode",
-        choices=("fwdbwd", "step"),
+        choices=("fwdbwd", "step", "casts"),
         default="fwdbwd",
-        help="fwdbwd: one GPU, forward+backward only; step: the whole training step under torchrun",
+        help="fwdbwd: one GPU, forward+backward only; step: the whole training step under torchrun; casts: the "
+        "FP8 cast kernel alone at every operand shape of a step, against its byte floor",
     )
     p.add_argument(
         "--rows",
         default=None,
         help=f"comma-separated rows; fwdbwd: {', '.join(FWDBWD_ROWS)} (default stock,ours); "
-        f"step: {', '.join(STEP_ROWS)} (default stock,ours)",
+        f"step: {', '.join(STEP_ROWS)} (default stock,ours); casts: {', '.join(CAST_ROWS)}",
     )
     p.add_argument(
         "--batch", type=positive_int, default=16, help="fwdbwd batch (step mode uses train.micro_batch_size)"
@@ -559,15 +654,14 @@ def main(argv=None) -> int:
         print_table(read_rows(args.table))
         return 0
     cfg = load_config(args.config, args.overrides)
-    rows = (args.rows or "stock,ours").split(",")
-    known = FWDBWD_ROWS if args.mode == "fwdbwd" else STEP_ROWS
+    rows = (args.rows or (",".join(CAST_ROWS) if args.mode == "casts" else "stock,ours")).split(",")
+    known = {"fwdbwd": FWDBWD_ROWS, "step": STEP_ROWS, "casts": CAST_ROWS}[args.mode]
     unknown = [r for r in rows if r not in known]
     if unknown:
         raise UserError(f"--rows: unknown row '{unknown[0]}' for --mode {args.mode}; choose from {', '.join(known)}")
     if not torch.cuda.is_available():
         raise UserError("python -m flux_train.bench measures GPUs and none is visible here (--table FILE needs none)")
     torch.backends.cuda.matmul.allow_tf32 = True
-    select_attention_backend(cfg.perf.attention)
     if args.mode == "step" and not dist.is_initialized():
         dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # each rank measures its own GPU
@@ -577,7 +671,7 @@ def main(argv=None) -> int:
     failed = []
     for row in rows:
         try:
-            result = (run_fwdbwd if args.mode == "fwdbwd" else run_step)(
+            result = {"fwdbwd": run_fwdbwd, "step": run_step, "casts": run_casts}[args.mode](
                 load_config(args.config, args.overrides), args, row
             )
         except Exception:

@@ -61,6 +61,18 @@ def attention_problem(name: str, device: torch.device) -> str | None:
     return None
 
 
+def torch_default_attention() -> str:
+    """Every SDPA backend on: torch picks per call (what stock code gets)."""
+    for enable in (
+        torch.backends.cuda.enable_flash_sdp,
+        torch.backends.cuda.enable_mem_efficient_sdp,
+        torch.backends.cuda.enable_cudnn_sdp,
+        torch.backends.cuda.enable_math_sdp,
+    ):
+        enable(True)
+    return "torch's choice"
+
+
 def select_attention_backend(name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None) -> str:
     """Switch on one SDPA backend (`perf.attention`) and return its name; `auto`: see the module docstring."""
     if not torch.cuda.is_available():
@@ -68,14 +80,7 @@ def select_attention_backend(name: str, dtype: torch.dtype = torch.bfloat16, dev
     device = device or torch.device("cuda", torch.cuda.current_device())
     if name == "auto":
         if dtype != torch.bfloat16:
-            for enable in (
-                torch.backends.cuda.enable_flash_sdp,
-                torch.backends.cuda.enable_mem_efficient_sdp,
-                torch.backends.cuda.enable_cudnn_sdp,
-                torch.backends.cuda.enable_math_sdp,
-            ):
-                enable(True)
-            return "torch's choice"
+            return torch_default_attention()
         name = preferred_attention(device)
         problem = attention_problem(name, device) if name != "flash" else None
         if problem:

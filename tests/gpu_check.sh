@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, by stage (logs under $OUT, a short summary printed last):
-#   bash tests/gpu_check.sh tests      GPU tests (Triton kernels vs references in bf16, graphed vs eager on 1 and 2 GPUs)
+#   bash tests/gpu_check.sh tests      GPU tests (Triton kernels vs references in bf16, graphed vs eager on 1 and 2 GPUs;
+#                                      GPU_TESTS_K="expr" selects some, as pytest -k)
+#   bash tests/gpu_check.sh casts      the FP8 cast kernel alone at every operand shape of a batch-16 step, vs its byte floor
 #   bash tests/gpu_check.sh fwdbwd     one-GPU forward+backward bench, stock vs ours, FP8 (ours, torchao), ablations
+#                                      (FWDBWD_ROWS=a,b selects rows, ATTENTION=cudnn|flash|auto sets perf.attention,
+#                                      BATCH=8 the batch)
 #   bash tests/gpu_check.sh graphs     the trainer with/without CUDA graphs at micro-batch 16 and 4 (1 GPU,
 #                                      flux-schnell's width at 6+12 blocks: the 12B model's optimizer needs 2 GPUs)
 #   bash tests/gpu_check.sh fp8-numerics   300 steps bf16 vs FP8 on a learnable synthetic stream (1 GPU, reduced depth)
@@ -28,13 +32,16 @@ for stage in "$@"; do
   case $stage in
   tests)
     timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -m "gpu or not slow" tests/test_kernels.py tests/test_gpu.py tests/test_fp8.py \
-      -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+      -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} >> "$OUT/gpu_tests.log" 2>&1
     log "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")" ;;
   fwdbwd)
-    ALL=stock-eager,stock,ours,ours-fp8-tensorwise,ours-fp8-rowwise,torchao-fp8-tensorwise,torchao-fp8-rowwise,ours-no-graphs,ours-no-compile,ours-torch-rmsnorm
-    CUDA_VISIBLE_DEVICES=0 bench --mode fwdbwd --batch 16 --steps 8 --profile --rows "${FWDBWD_ROWS:-$ALL}" \
-      > "$OUT/fwdbwd.log" 2>&1 || log "fwdbwd bench failed: see fwdbwd.log"
+    ALL=stock-eager,stock,ours,ours-fp8-delayed,ours-fp8-tensorwise,ours-fp8-rowwise,torchao-fp8-tensorwise,torchao-fp8-rowwise,ours-no-graphs,ours-no-compile,ours-torch-rmsnorm
+    CUDA_VISIBLE_DEVICES=0 bench --mode fwdbwd --batch "${BATCH:-16}" --steps 8 --profile --rows "${FWDBWD_ROWS:-$ALL}" \
+      --set perf.attention="${ATTENTION:-auto}" >> "$OUT/fwdbwd.log" 2>&1 || log "fwdbwd bench failed: see fwdbwd.log"
     log "fwdbwd done" ;;
+  casts)
+    CUDA_VISIBLE_DEVICES=0 bench --mode casts --batch "${BATCH:-16}" >> "$OUT/casts.log" 2>&1 || log "casts failed: see casts.log"
+    log "casts done" ;;
   graphs)
     SMALL="--config configs/systems/H200_01x08.yaml --set model.num_layers=6 --set model.num_single_layers=12
            --set parallel.strategy=ddp"
