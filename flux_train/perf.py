@@ -70,6 +70,7 @@ def torch_default_attention() -> str:
         torch.backends.cuda.enable_math_sdp,
     ):
         enable(True)
+    _compile_caches_follow("torch")
     return "torch's choice"
 
 
@@ -90,7 +91,15 @@ def select_attention_backend(name: str, dtype: torch.dtype = torch.bfloat16, dev
     torch.backends.cuda.enable_mem_efficient_sdp(name == "efficient")
     torch.backends.cuda.enable_cudnn_sdp(name == "cudnn")
     torch.backends.cuda.enable_math_sdp(name == "math")
-    return name
+    return _compile_caches_follow(name)
+
+
+def _compile_caches_follow(backend: str) -> str:
+    """The SDPA backend is chosen when torch.compile traces a block, and the compile caches on disk do not key on
+    the switches above: a block compiled under one backend was replayed under another (measured on an H200: a run
+    asking for cuDNN ran flash from the cache). The backend joins the cache key."""
+    torch.compiler.config.cache_key_tag = f"flux-train-sdpa-{backend}"
+    return backend
 
 
 def apply_fp8(model: nn.Module, recipe: str, impl: str, device: torch.device, history: int = 16) -> nn.Module:

@@ -19,6 +19,8 @@ TINY = ModelConfig(  # two blocks of a width FP8 takes (multiples of 16)
     axes_dims_rope=[4, 6, 6],
 )
 E4M3 = torch.float8_e4m3fn
+# the cast kernel runs on the GPU where there is one, else in Triton's CPU interpreter (conftest)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize(
@@ -56,9 +58,9 @@ def test_quantize_round_trip_within_e4m3_precision(dim, fp8):
 @pytest.mark.parametrize("history_scale", [0.0, 0.004])  # current scaling / a delayed scale (some values saturate)
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
 def test_cast_kernel_matches_its_torch_reference(shape, history_scale, fp8):
-    """The Triton kernel (here in Triton's interpreter) scales, clamps, transposes and takes the amax as the torch
-    reference does. The interpreter's own e4m3 conversion is not faithful (127.9 -> 64), so the kernel writes its
-    values in fp32 here, before the conversion; on a GPU tests/test_gpu.py compares the e4m3 bits."""
+    """The Triton kernel scales, clamps, transposes, takes the amax and the column sums (a bias gradient) as the
+    torch reference does. Triton's interpreter does not convert to e4m3 faithfully (127.9 -> 64), so the kernel
+    writes its values in fp32 here, before the conversion; tests/test_gpu.py compares the e4m3 bits on a GPU."""
     from flux_train.kernels.fp8_cast import _cast_transpose_triton
 
     g = torch.Generator().manual_seed(sum(shape))
@@ -66,18 +68,22 @@ def test_cast_kernel_matches_its_torch_reference(shape, history_scale, fp8):
     x[3, 5] = -11.0  # the amax, negative
     scale = torch.tensor(history_scale)
     prior = torch.tensor([1.5])  # an earlier call's maximum (a previous micro-batch): kept if larger
-    amax_k, amax_t = prior.clone(), prior.clone()
+    amax_k, amax_t = prior.to(DEVICE), prior.clone()
     fmax = torch.finfo(fp8).max
-    q, qt, s = _cast_transpose_triton(x, scale, amax_k, torch.float32, fmax, True)
+    q, qt, s, sums = (
+        t.cpu() for t in _cast_transpose_triton(x.to(DEVICE), scale.to(DEVICE), amax_k, torch.float32, fmax, True, True)
+    )
     want_s = history_scale if history_scale else 11.0 / fmax
     assert s.item() == pytest.approx(want_s, rel=1e-7)
     assert amax_k.item() == 11.0
     ref = (x.float() * (1.0 / s)).clamp(-fmax, fmax)
     assert torch.equal(q, ref) and torch.equal(qt, ref.t())
+    assert torch.allclose(sums, x.double().sum(0).float(), rtol=1e-5, atol=1e-4)
     # the torch path (CPU training) agrees on amax and scale, and its e4m3 values are the reference's rounded
-    q8, qt8, s8 = cast_transpose_torch(x, scale, amax_t, fp8)
+    q8, qt8, s8, sums8 = cast_transpose_torch(x, scale, amax_t, fp8, column_sums=True)
     assert amax_t.item() == 11.0 and s8.item() == s.item()
     assert torch.equal(q8.float(), ref.to(fp8).float()) and torch.equal(qt8, q8.t())
+    assert torch.allclose(sums8, sums, rtol=1e-5, atol=1e-4)
     if history_scale:
         assert (q.abs() == fmax).any()  # saturated, not wrapped or NaN
 
@@ -87,12 +93,23 @@ def test_cast_kernel_keeps_nan_and_casts_zeros_to_zeros():
     zero at init) casts to zeros with a finite scale."""
     from flux_train.kernels.fp8_cast import _cast_transpose_triton
 
+    def cast(x, history):
+        out = _cast_transpose_triton(
+            x.to(DEVICE),
+            torch.tensor(history, device=DEVICE),
+            torch.zeros(1, device=DEVICE),
+            torch.float32,
+            448.0,
+            True,
+            False,
+        )
+        return [t.cpu() for t in out[:3]]
+
     x = torch.ones(32, 64, dtype=torch.bfloat16)
     x[7, 9] = float("nan")
-    q, _, _ = _cast_transpose_triton(x, torch.tensor(0.01), torch.zeros(1), torch.float32, 448.0, False)
+    q, _, _ = cast(x, 0.01)
     assert q[7, 9].isnan() and torch.isfinite(q[~q.isnan()]).all()
-    zeros = torch.zeros(32, 64, dtype=torch.bfloat16)
-    q, qt, s = _cast_transpose_triton(zeros, torch.tensor(0.0), torch.zeros(1), torch.float32, 448.0, True)
+    q, qt, s = cast(torch.zeros(32, 64, dtype=torch.bfloat16), 0.0)
     assert torch.isfinite(s) and s > 0 and not q.any() and not qt.any()
 
 

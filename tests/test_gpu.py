@@ -159,7 +159,7 @@ def test_fp8_linear_on_tensor_cores_matches_its_cpu_emulation(recipe):
         scaling = FP8Scaling.of(lin, torch.device(device))
         results[device] = []
         for x, dy in batches:
-            xd = x.to(device).requires_grad_()
+            xd = x.detach().to(device).requires_grad_()
             y = lin(xd)
             y.backward(dy.to(device).bfloat16())
             results[device] += [t.float().cpu() for t in (y, xd.grad, lin.weight.grad)]
@@ -207,7 +207,9 @@ def test_fp8_delayed_blocks_compiled_and_graphed_match_eager():
     for mode in ("compiled", "graphed"):
         losses, grads, history = runs[mode]
         assert losses == pytest.approx(eager[0], rel=2e-2), mode
-        assert_grads_close(eager[1], grads)
+        # compiled bf16 elementwise ops round differently, and an ulp before a cast can move an e4m3 value a step
+        for name, want in eager[1].items():
+            assert ((grads[name] - want).norm() / want.norm()).item() < 0.05, (mode, name)
         assert torch.allclose(history, eager[2], rtol=5e-2), mode
         assert (history[:, :, :3] > 0).all(), mode  # every layer and operand recorded each step
 

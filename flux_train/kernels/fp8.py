@@ -69,39 +69,56 @@ def _column_major(x: torch.Tensor) -> torch.Tensor:
     return x.t().contiguous().t()
 
 
-def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
-    """a [M,K] row-major, b [K,N] column-major, scales [M,1]/[1,N] (or scalars) -> bf16 a @ b."""
+def scaled_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """a [M,K] row-major, b [K,N] column-major, scales [M,1]/[1,N] (or scalars) -> bf16 a @ b (+ bias, added in
+    the GEMM's epilogue). `fast_accum`: Hopper's FP8 tensor cores accumulate without promoting partial sums to
+    fp32 (faster; what Transformer Engine and torchao do in the forward, not for gradients)."""
+    if bias is not None:
+        bias = bias.to(torch.bfloat16)
     if a.is_cuda:
         return torch._scaled_mm(
             a,
             b,
             scale_a=a_scale.reshape(-1, 1) if a_scale.dim() else a_scale,
             scale_b=b_scale.reshape(1, -1) if b_scale.dim() else b_scale,
+            bias=bias,
             out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
         )
-    return ((a.float() * a_scale) @ (b.float() * b_scale)).to(torch.bfloat16)
+    out = (a.float() * a_scale) @ (b.float() * b_scale)
+    return (out if bias is None else out + bias.float()).to(torch.bfloat16)
 
 
 class _TensorwiseLinear(torch.autograd.Function):
-    """x2 @ weight^T with one scale per tensor. `scales` [3] (x, w, dY; 0 = current scaling) are read, `amax` [2]
-    (x, w) and `amax_grad` [1] (dY) raised to this call's maxima."""
+    """x2 @ weight^T + bias with one scale per tensor. `scales` [3] (x, w, dY; 0 = current scaling) are read,
+    `amax` [2] (x, w) and `amax_grad` [1] (dY) raised to this call's maxima."""
 
     @staticmethod
-    def forward(ctx, x2, weight, scales, amax, amax_grad, dtype):
-        xq, xq_t, xs = cast_transpose(x2, scales[0], amax[0:1], dtype)
-        wq, wq_t, ws = cast_transpose(weight, scales[1], amax[1:2], dtype)
+    def forward(ctx, x2, weight, bias, scales, amax, amax_grad, dtype):
+        xq, xq_t, xs, _ = cast_transpose(x2, scales[0], amax[0:1], dtype)
+        wq, wq_t, ws, _ = cast_transpose(weight, scales[1], amax[1:2], dtype)
         ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         # the backward's operands in the layouts it needs, in e4m3: half the bytes of the bf16 ones
         ctx.save_for_backward(xq_t, xs, wq_t, ws, scales, amax_grad)
-        return scaled_mm(xq, xs, wq.t(), ws)
+        return scaled_mm(xq, xs, wq.t(), ws, bias, fast_accum=True)
 
     @staticmethod
     def backward(ctx, dy):
         xq_t, xs, wq_t, ws, scales, amax_grad = ctx.saved_tensors
-        dyq, dyq_t, dys = cast_transpose(dy.contiguous(), scales[2], amax_grad, ctx.dtype)
+        with_bias = ctx.bias_dtype is not None
+        # the bias gradient (dY's column sums) comes from the same read of dY as its casts
+        dyq, dyq_t, dys, dbias = cast_transpose(dy.contiguous(), scales[2], amax_grad, ctx.dtype, column_sums=with_bias)
         dx = scaled_mm(dyq, dys, wq_t.t(), ws)  # dX = dY @ W, W as [N,K] column-major
         dw = scaled_mm(dyq_t, dys, xq_t.t(), xs)  # dW = dY^T @ X, X as [M,K] column-major
-        return dx, dw.to(ctx.weight_dtype), None, None, None, None
+        return dx, dw.to(ctx.weight_dtype), dbias.to(ctx.bias_dtype) if with_bias else None, None, None, None, None
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -142,15 +159,14 @@ class FP8Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         x2, weight = x.reshape(m, k), self.weight.to(x.dtype)
         if self.recipe == "rowwise":
-            y = _RowwiseLinear.apply(x2, weight, self.fp8_dtype)
-        else:
-            # delayed scaling records the maxima of training steps only; current scaling needs fresh maxima
-            record = self.recipe == "delayed" and torch.is_grad_enabled()
-            amax = self.fp8_amax if record else torch.zeros(2, device=x.device)
-            amax_grad = self.fp8_amax_grad if record else torch.zeros(1, device=x.device)
-            y = _TensorwiseLinear.apply(x2, weight, self.fp8_scale, amax, amax_grad, self.fp8_dtype)
-        y = y.reshape(*x.shape[:-1], n)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+            y = _RowwiseLinear.apply(x2, weight, self.fp8_dtype).reshape(*x.shape[:-1], n)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        # delayed scaling records the maxima of training steps only; current scaling needs fresh maxima
+        record = self.recipe == "delayed" and torch.is_grad_enabled()
+        amax = self.fp8_amax if record else torch.zeros(2, device=x.device)
+        amax_grad = self.fp8_amax_grad if record else torch.zeros(1, device=x.device)
+        y = _TensorwiseLinear.apply(x2, weight, self.bias, self.fp8_scale, amax, amax_grad, self.fp8_dtype)
+        return y.reshape(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}, fp8={self.fp8_dtype}"

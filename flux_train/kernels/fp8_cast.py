@@ -8,7 +8,8 @@ an atomic max, so the amax of the next step's scale costs no pass of its own.
 `scale` is the dequantisation scale s (x ~= q * s) from an amax history (delayed scaling, 0-dim fp32 device
 tensor). Where it is 0 (no history yet: the first step, or a recipe without one) a first kernel takes the
 tensor's amax (one more 2-byte read) and the cast uses amax / max(e4m3): current scaling, decided on the GPU,
-so the same captured graph serves both. Returns (q, q transposed or an empty tensor, the scale used).
+so the same captured graph serves both. Returns (q, q transposed or an empty tensor, the scale used, and with
+`column_sums` x's fp32 sums over its rows: a bias gradient when x is the output gradient, at no extra read).
 
 The Triton path is a `torch.library.triton_op`: torch.compile calls the kernels as they are (Inductor does not
 re-trace them) and CUDA graphs capture them. `cast_transpose_torch` is the same in torch ops: the CPU path
@@ -28,13 +29,19 @@ TINY_AMAX = 1e-12  # an all-zero tensor (a gradient before the gates open) casts
 
 
 def cast_transpose_torch(
-    x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, transpose: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    transpose: bool = True,
+    column_sums: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     fmax = torch.finfo(dtype).max
     amax.copy_(torch.maximum(amax, x.abs().amax().float()))
     s = torch.where(scale > 0, scale, amax.clamp(min=TINY_AMAX) / fmax).reshape(())
     q = (x.float() * (1.0 / s)).clamp(-fmax, fmax).to(dtype)
-    return q, q.t().contiguous() if transpose else q.new_empty(0), s
+    sums = x.float().sum(0) if column_sums else x.new_empty(0, dtype=torch.float32)
+    return q, q.t().contiguous() if transpose else q.new_empty(0), s, sums
 
 
 if HAVE_TRITON:
@@ -58,19 +65,21 @@ if HAVE_TRITON:
         SCALE,
         AMAX,
         S_OUT,
+        SUMS,
         M,
         K,
         FMAX: tl.constexpr,
         TRANSPOSE: tl.constexpr,
+        COLUMN_SUMS: tl.constexpr,
         BM: tl.constexpr,
         BK: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BK + tl.arange(0, BK)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        r64 = rows.to(tl.int64)
-        c64 = cols.to(tl.int64)
-        x = tl.load(X + r64[:, None] * K + c64[None, :], mask=mask, other=0.0).to(tl.float32)
+        row0, col0 = tl.program_id(0) * BM, tl.program_id(1) * BK
+        rm, rk = tl.arange(0, BM), tl.arange(0, BK)
+        mask = (row0 + rm[:, None] < M) & (col0 + rk[None, :] < K)
+        # 64-bit offset of the tile, 32-bit offsets within it (keeps the contiguity Triton coalesces by)
+        x = tl.load(X + (row0.to(tl.int64) * K + col0) + (rm[:, None] * K + rk[None, :]), mask=mask, other=0.0)
+        x = x.to(tl.float32)
         hist = tl.load(SCALE)
         # with no history AMAX already holds this tensor's amax (the kernel above), and the atomic maxes
         # below cannot raise it: every program reads the same value
@@ -79,17 +88,19 @@ if HAVE_TRITON:
         # NaN stays NaN (a diverging run must show it), large values saturate
         y = tl.clamp(x * inv, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
         q = y.to(Q.dtype.element_ty)
-        tl.store(Q + r64[:, None] * K + c64[None, :], q, mask=mask)
+        tl.store(Q + (row0.to(tl.int64) * K + col0) + (rm[:, None] * K + rk[None, :]), q, mask=mask)
         if TRANSPOSE:
             # the same registers at the transposed addresses: Triton stages the tile through shared memory so
             # that both stores are coalesced
-            tl.store(QT + c64[None, :] * M + r64[:, None], q, mask=mask)
+            tl.store(QT + (col0.to(tl.int64) * M + row0) + (rk[None, :] * M + rm[:, None]), q, mask=mask)
         tl.atomic_max(AMAX, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        if COLUMN_SUMS:  # this tile's column sums, one row of partials per row tile (summed in a fixed order after)
+            tl.store(SUMS + tl.program_id(0) * K + col0 + rk, tl.sum(x, axis=0), mask=col0 + rk < K)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(S_OUT, s)
 
     _AMAX_BLOCK = 4096
-    _TILE = (64, 128)  # rows x columns of x: 256-byte loads, 128- and 64-byte stores per row/column
+    _TILE = (64, 128, 8)  # rows x columns of x (256-byte loads, 128- and 64-byte stores per row/column), warps
 
     def _amax_programs(x: torch.Tensor) -> int:
         if x.is_cuda:
@@ -98,18 +109,25 @@ if HAVE_TRITON:
 
     @triton_op("flux_train::fp8_cast_transpose", mutates_args={"amax"})
     def _cast_transpose_triton(
-        x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, fmax: float, transpose: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x: torch.Tensor,
+        scale: torch.Tensor,
+        amax: torch.Tensor,
+        dtype: torch.dtype,
+        fmax: float,
+        transpose: bool,
+        column_sums: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`dtype` the values' type (e4m3; the tests take fp32 values under the interpreter, whose e4m3
         conversion is not faithful), `fmax` the e4m3 format's largest value."""
         m, k = x.shape
         q = torch.empty((m, k), device=x.device, dtype=dtype)
         qt = torch.empty((k, m) if transpose else (0,), device=x.device, dtype=dtype)
         s = torch.empty((), device=x.device, dtype=torch.float32)
+        bm, bk, warps = _TILE
+        partial = torch.empty((triton.cdiv(m, bm), k) if column_sums else (0,), device=x.device, dtype=torch.float32)
         n = m * k
         programs = max(1, min(_amax_programs(x), triton.cdiv(n, _AMAX_BLOCK)))
         wrap_triton(_amax_kernel)[(programs,)](x, scale, amax, n, BLOCK=_AMAX_BLOCK)
-        bm, bk = _TILE
         wrap_triton(_cast_transpose_kernel)[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
             x,
             q,
@@ -117,15 +135,17 @@ if HAVE_TRITON:
             scale,
             amax,
             s,
+            partial,
             m,
             k,
             FMAX=fmax,
             TRANSPOSE=transpose,
+            COLUMN_SUMS=column_sums,
             BM=bm,
             BK=bk,
-            num_warps=8,
+            num_warps=warps,
         )
-        return q, qt, s
+        return q, qt, s, partial.sum(0) if column_sums else partial
 
 
 def cast_transpose(
@@ -134,14 +154,16 @@ def cast_transpose(
     amax: torch.Tensor,
     dtype: torch.dtype,
     transpose: bool = True,
+    column_sums: bool = False,
     impl: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(e4m3 x, e4m3 x transposed (row-major; empty unless `transpose`), the scale used) for a contiguous 2-D x;
-    `amax` (1-element fp32) is raised to |x|'s maximum. `impl`: auto (Triton on a GPU, torch elsewhere),
-    triton (also on the CPU under Triton's interpreter: the tests), torch."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 x, e4m3 x transposed (row-major; empty unless `transpose`), the scale used, x's fp32 column sums
+    (empty unless `column_sums`)) for a 2-D x; `amax` (1-element fp32) is raised to |x|'s maximum. `impl`: auto
+    (Triton on a GPU, torch elsewhere), triton (also on the CPU under Triton's interpreter: the tests), torch."""
     use_triton = impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda)
     if use_triton:
         if not kernels_run_on(x.device):
             raise RuntimeError("the Triton FP8 cast needs a GPU (or Triton's interpreter on the CPU)")
-        return _cast_transpose_triton(x.contiguous(), scale, amax, dtype, torch.finfo(dtype).max, transpose)
-    return cast_transpose_torch(x, scale, amax, dtype, transpose)
+        fmax = torch.finfo(dtype).max
+        return _cast_transpose_triton(x.contiguous(), scale, amax, dtype, fmax, transpose, column_sums)
+    return cast_transpose_torch(x, scale, amax, dtype, transpose, column_sums)
