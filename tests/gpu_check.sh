@@ -7,8 +7,11 @@
 #                                      (FWDBWD_ROWS=a,b selects rows, ATTENTION=cudnn|flash|auto sets perf.attention,
 #                                      BATCH=8 the batch)
 #   bash tests/gpu_check.sh graphs     the trainer with/without CUDA graphs at micro-batch 16 and 4 (1 GPU,
-#                                      flux-schnell's width at 6+12 blocks: the 12B model's optimizer needs 2 GPUs)
-#   bash tests/gpu_check.sh fp8-numerics   300 steps bf16 vs FP8 on a learnable synthetic stream (1 GPU, reduced depth)
+#                                      flux-schnell's width at 6+12 blocks: the 12B model's optimizer needs 2 GPUs),
+#                                      and forward+backward of the same model for the step efficiency (FP8=delayed
+#                                      for FP8, MBS="16 4" the micro-batches, ACCUM=n accumulation)
+#   bash tests/gpu_check.sh fp8-numerics   300 steps bf16 vs FP8 (delayed) on a learnable synthetic stream (1 GPU,
+#                                      reduced depth)
 #   bash tests/gpu_check.sh step       full flux-schnell training step on all GPUs: stock FSDP2 vs ours (fsdp, ddp,
 #                                      FP8, accumulation 4, graphs), profiles, eval rate, step efficiency refs
 #   bash tests/gpu_check.sh checkpoint save/load and async-save timings of the trainer's full state on all GPUs,
@@ -44,12 +47,16 @@ for stage in "$@"; do
     log "casts done" ;;
   graphs)
     SMALL="--config configs/systems/H200_01x08.yaml --set model.num_layers=6 --set model.num_single_layers=12
-           --set parallel.strategy=ddp"
-    for mb in 16 4; do for g in false true; do
-      CUDA_VISIBLE_DEVICES=0 torchrun --standalone --nproc_per_node=1 -m flux_train.bench --json "$ROWS" --mode step \
-        --rows ours $SMALL --set train.micro_batch_size=$mb --set perf.cuda_graphs=$g --steps 10 \
-        >> "$OUT/graphs.log" 2>&1 || log "graphs mb $mb $g failed: see graphs.log"
-    done; done
+           --set parallel.strategy=ddp --set perf.attention=auto --set perf.fp8=${FP8:-none} --set perf.fp8_impl=ours"
+    for mb in ${MBS:-16 4}; do
+      CUDA_VISIBLE_DEVICES=0 bench --mode fwdbwd --batch $mb --steps 8 --rows ours $SMALL \
+        >> "$OUT/graphs.log" 2>&1 || log "fwdbwd mb $mb failed: see graphs.log"
+      for g in false true; do
+        CUDA_VISIBLE_DEVICES=0 timeout "$LIMIT" torchrun --standalone --nproc_per_node=1 -m flux_train.bench --json "$ROWS" \
+          --mode step --rows ours $SMALL --set train.micro_batch_size=$mb --set perf.cuda_graphs=$g --steps 10 \
+          --accum "${ACCUM:-1}" ${PROFILE_STEP:+--profile} >> "$OUT/graphs.log" 2>&1 || log "graphs mb $mb $g failed: see graphs.log"
+      done
+    done
     log "graphs done" ;;
   fp8-numerics)
     NUM="--config configs/systems/H200_01x08.yaml --set model.num_layers=4 --set model.num_single_layers=8
@@ -57,8 +64,8 @@ for stage in "$@"; do
          --set data.synthetic_text_len=256 --set data.synthetic_latent_size=32 --set train.micro_batch_size=8
          --set train.global_batch_size=8 --set train.lr=1e-4 --set train.warmup_steps=20 --set train.max_steps=300
          --set eval.enabled=false --set logging.log_every=10 --set logging.progress_bar=false --set parallel.strategy=ddp
-         --set checkpoint.every_steps=0"
-    for fp8 in none tensorwise; do
+         --set checkpoint.every_steps=0 --set perf.attention=auto --set perf.fp8_impl=ours"
+    for fp8 in none delayed; do
       CUDA_VISIBLE_DEVICES=0 python3 -m flux_train.train $NUM --set perf.fp8=$fp8 --set logging.out_dir="$OUT/num_$fp8" \
         > "$OUT/num_$fp8.log" 2>&1 || log "fp8 numerics $fp8 failed: see num_$fp8.log"
     done
@@ -69,7 +76,7 @@ def losses(tag):
         return {r["step"]: r["loss"] for r in map(json.loads, open(f"{sys.argv[1]}/num_{tag}/metrics.jsonl")) if "loss" in r}
     except OSError:
         return {}
-a, b = losses("none"), losses("tensorwise")
+a, b = losses("none"), losses("delayed")
 steps = [s for s in sorted(a) if s > 50 and s in b]
 worst = max((abs(b[s] / a[s] - 1) for s in steps), default=float("nan"))
 print("fp8 numerics: steps", len(steps), "max |fp8/bf16 - 1| after step 50:", round(worst, 4))
