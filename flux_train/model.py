@@ -64,9 +64,17 @@ def rope_tables(ids: torch.Tensor, axes_dim: list[int], theta: int = ROPE_THETA)
     return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Bidirectional attention over the joint sequence, no mask; q/k (normed, rotated)/v [B, L, H, D] ->
-    [B, L, H*D]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs in fp32; x [B, L, H, D], cos/sin [L, D]."""
+    xf = x.float()
+    pairs = xf.unflatten(-1, (-1, 2))
+    rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return (xf * cos[None, :, None, :] + rotated * sin[None, :, None, :]).to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pe: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Bidirectional attention over the joint sequence, no mask; q/k/v [B, L, H, D] -> [B, L, H*D]."""
+    q, k = apply_rope(q, *pe), apply_rope(k, *pe)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2).flatten(2)
 
@@ -93,19 +101,11 @@ class MLPEmbedder(nn.Module):
         return self.out_layer(F.silu(self.in_layer(x)))
 
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [L, head_dim] fp32 of the positions at hand
-
-
 class QKNorm(nn.Module):
-    """RMSNorm of q and k, then RoPE (one fused kernel each: flux_train.kernels.rmsnorm)."""
-
     def __init__(self, head_dim: int, rmsnorm_impl: str):
         super().__init__()
         self.query_norm = RMSNorm(head_dim, impl=rmsnorm_impl)
         self.key_norm = RMSNorm(head_dim, impl=rmsnorm_impl)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, pe: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.query_norm(q, *pe), self.key_norm(k, *pe)
 
 
 class Modulation(nn.Module):
@@ -130,10 +130,9 @@ class StreamAttention(nn.Module):
         self.norm = QKNorm(head_dim, rmsnorm_impl)
         self.proj = nn.Linear(hidden, hidden)
 
-    def qkv_heads(self, x: torch.Tensor, pe: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q and k normed and rotated for this stream's positions, v."""
+    def qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.head_dim)).unbind(2)
-        return *self.norm(q, k, pe), v
+        return self.norm.query_norm(q), self.norm.key_norm(k), v
 
 
 def mlp(hidden: int) -> nn.Sequential:
@@ -153,16 +152,14 @@ class DoubleStreamBlock(nn.Module):
         self.txt_mlp = mlp(hidden)
 
     def forward(
-        self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor, pe: Rope
+        self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor, pe: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.img_mod(vec)
         t_shift, t_scale, t_gate, t_shift_mlp, t_scale_mlp, t_gate_mlp = self.txt_mod(vec)
-        n_txt = txt.shape[1]  # the joint sequence is [txt, img]: each stream rotates by its own positions
-        img_pe, txt_pe = tuple(t[n_txt:] for t in pe), tuple(t[:n_txt] for t in pe)
-        img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(layer_norm(img), shift, scale), img_pe)
-        txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(layer_norm(txt), t_shift, t_scale), txt_pe)
-        out = attention(torch.cat((txt_q, img_q), 1), torch.cat((txt_k, img_k), 1), torch.cat((txt_v, img_v), 1))
-        txt_out, img_out = out[:, :n_txt], out[:, n_txt:]
+        img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(layer_norm(img), shift, scale))
+        txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(layer_norm(txt), t_shift, t_scale))
+        out = attention(torch.cat((txt_q, img_q), 1), torch.cat((txt_k, img_k), 1), torch.cat((txt_v, img_v), 1), pe)
+        txt_out, img_out = out[:, : txt.shape[1]], out[:, txt.shape[1] :]
         img = img + gate[:, None] * self.img_attn.proj(img_out)
         img = img + gate_mlp[:, None] * self.img_mlp(modulate(layer_norm(img), shift_mlp, scale_mlp))
         txt = txt + t_gate[:, None] * self.txt_attn.proj(txt_out)
@@ -181,13 +178,13 @@ class SingleStreamBlock(nn.Module):
         self.norm = QKNorm(head_dim, rmsnorm_impl)
         self.modulation = Modulation(hidden, 3)
 
-    def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         shift, scale, gate = self.modulation(vec)
         qkv, mlp_in = self.linear1(modulate(layer_norm(x), shift, scale)).split(
             [3 * self.hidden, MLP_RATIO * self.hidden], dim=-1
         )
         q, k, v = qkv.unflatten(-1, (3, -1, self.head_dim)).unbind(2)
-        out = attention(*self.norm(q, k, pe), v)
+        out = attention(self.norm.query_norm(q), self.norm.key_norm(k), v, pe)
         return x + gate[:, None] * self.linear2(torch.cat((out, F.gelu(mlp_in, approximate="tanh")), dim=2))
 
 

@@ -20,8 +20,7 @@ from flux_train.diffusers_adapter import (
 from flux_train.kernels import RMSNorm
 from flux_train import flow
 from flux_train import model as flux_model
-from flux_train.kernels import apply_rope
-from flux_train.model import build_model, count_params, flops_per_sample, init_rule, materialize
+from flux_train.model import apply_rope, build_model, count_params, flops_per_sample, init_rule, materialize
 
 SCHNELL = load_config("configs/model/flux-schnell.yaml").model
 TINY = ModelConfig(
