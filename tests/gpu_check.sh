@@ -5,7 +5,7 @@
 #   bash tests/gpu_check.sh casts      the FP8 cast kernel alone at every operand shape of a batch-16 step, vs its byte floor
 #   bash tests/gpu_check.sh fwdbwd     one-GPU forward+backward bench, stock vs ours, FP8 (ours, torchao), ablations
 #                                      (FWDBWD_ROWS=a,b selects rows, ATTENTION=cudnn|flash|auto sets perf.attention,
-#                                      BATCH=8 the batch)
+#                                      BATCH=8 the batch, NO_PROFILE=" " no profiles)
 #   bash tests/gpu_check.sh graphs     the trainer with/without CUDA graphs at micro-batch 16 and 4 (1 GPU,
 #                                      flux-schnell's width at 6+12 blocks: the 12B model's optimizer needs 2 GPUs),
 #                                      and forward+backward of the same model for the step efficiency (FP8=delayed
@@ -39,7 +39,7 @@ for stage in "$@"; do
     log "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")" ;;
   fwdbwd)
     ALL=stock-eager,stock,ours,ours-fp8-delayed,ours-fp8-tensorwise,ours-fp8-rowwise,torchao-fp8-tensorwise,torchao-fp8-rowwise,ours-no-graphs,ours-no-compile,ours-torch-rmsnorm
-    CUDA_VISIBLE_DEVICES=0 bench --mode fwdbwd --batch "${BATCH:-16}" --steps 8 --profile --rows "${FWDBWD_ROWS:-$ALL}" \
+    CUDA_VISIBLE_DEVICES=0 bench --mode fwdbwd --batch "${BATCH:-16}" --steps 8 ${NO_PROFILE:---profile} --rows "${FWDBWD_ROWS:-$ALL}" \
       --set perf.attention="${ATTENTION:-auto}" >> "$OUT/fwdbwd.log" 2>&1 || log "fwdbwd bench failed: see fwdbwd.log"
     log "fwdbwd done" ;;
   casts)
