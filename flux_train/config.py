@@ -140,7 +140,8 @@ class PerfConfig:
     # the whole optimizer step (micro-batches, reduction, AdamW, all-gathers) as one CUDA graph (ddp only)
     cuda_graphs: bool = False
     rmsnorm: Literal["auto", "triton", "torch"] = "auto"
-    attention: Literal["flash", "efficient", "cudnn", "math", "auto"] = "flash"
+    # auto: in bf16 the backend measured fastest here, checked against flash (flux_train/perf.py); in fp32 torch's
+    attention: Literal["flash", "efficient", "cudnn", "math", "auto"] = "auto"
     # delayed: one scale per tensor from an amax history (ours only); tensorwise: from the current amax;
     # rowwise: one scale per row (flux_train/kernels/fp8.py)
     fp8: Literal["none", "delayed", "tensorwise", "rowwise"] = "none"
