@@ -42,6 +42,7 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 
 EXIT_DIVERGED = 3  # a non-finite loss or gradient norm stopped the run
 EXIT_COLLECTIVE = 4  # a collective failed or timed out (parallel.timeout_s); the message names the stragglers
+EXIT_OUT_OF_MEMORY = 5  # a GPU ran out of memory; the message says how much torch held and what to change
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -501,6 +502,23 @@ def build_data(cfg: Config, rank: int, world: int) -> DataSource:
     return build_energon(cfg, rank, world)
 
 
+def out_of_memory_line(exc: BaseException, rank: int) -> str | None:
+    """One line for an out-of-memory anywhere in the step -- torch's allocator, or NCCL's own buffers, which
+    surface as a collective's error ("Failed to CUDA calloc") -- else None."""
+    text = str(exc)
+    if not (isinstance(exc, torch.OutOfMemoryError) or "CUDA calloc" in text or "out of memory" in text.lower()):
+        return None
+    held = ""
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        held = f" (torch's peak {torch.cuda.max_memory_allocated() / 2**30:.1f} of {total:.1f} GiB)"
+    return (
+        f"out of GPU memory on rank {rank}{held}: {type(exc).__name__}: {text.strip().splitlines()[0][:160]}; "
+        "lower train.micro_batch_size (accumulation keeps the global batch) or take parallel.strategy=fsdp "
+        "(1/GPUs of the model state per GPU)"
+    )
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog="python -m flux_train.train", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/debug.yaml", help="YAML config (default: configs/debug.yaml)")
@@ -524,7 +542,11 @@ def main(argv=None) -> int:
             return 0
         trainer = Trainer(cfg)
         status = trainer.run()
-    except RuntimeError as exc:  # a collective failed or timed out (gloo says "Timed out"): say who did not arrive
+    except RuntimeError as exc:  # out of memory; a collective failed or timed out (gloo says "Timed out")
+        oom = out_of_memory_line(exc, dist.get_rank() if dist.is_initialized() else 0)
+        if oom:
+            print(oom, file=sys.stderr, flush=True)
+            return EXIT_OUT_OF_MEMORY
         if not (isinstance(exc, dist.DistError) or "Timed out" in str(exc)):
             raise
         world = dist.get_world_size() if dist.is_initialized() else 0

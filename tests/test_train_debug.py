@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from PIL import Image
 
 from flux_train.results import read_events
@@ -194,3 +195,30 @@ def test_non_finite_step_stops_the_run_there_and_keeps_the_last_good_checkpoint(
     assert "finished at step 6, status diverged" in proc.stdout  # found at the sync before step 6's save
     stops = [e for e in read_events(out / "mllog.log") if e["key"] == "run_stop"]
     assert len(stops) == 1 and stops[0]["metadata"]["status"] == "aborted"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        # NCCL's own allocations fail inside a collective (seen on 2 H200 with the ddp layout at 137.9 GiB)
+        torch.distributed.DistBackendError(
+            "NCCL error: unhandled cuda error ... Failed to CUDA calloc async 1216 bytes"
+        ),
+    ],
+)
+def test_out_of_memory_ends_in_one_line_naming_the_fix(monkeypatch, capsys, tmp_path, error):
+    """An out-of-memory anywhere in the run is one line with what to change, exit 5 (raised here in place of the
+    GPU that CI does not have)."""
+    from flux_train import train as train_module
+
+    def run(self):
+        raise error
+
+    monkeypatch.setattr(train_module.Trainer, "run", run)
+    code = train_module.main(
+        ["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", f"logging.out_dir={tmp_path}"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == train_module.EXIT_OUT_OF_MEMORY and len(err) == 1
+    assert err[0].startswith("out of GPU memory on rank 0") and "train.micro_batch_size" in err[0]
