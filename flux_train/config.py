@@ -120,8 +120,9 @@ class ParallelConfig:
     # dp_shard; one reduce-scatter and one all-gather per optimizer step (needs ~4 bytes per parameter plus
     # 16/dp_shard: 141 GB and larger GPUs)
     strategy: Literal["fsdp", "ddp"] = "fsdp"
-    # gradient reduction dtype; auto: float32 under fsdp, the compute dtype under ddp (as the MLPerf
-    # submissions reduce); ddp reduces in the compute dtype only
+    # gradient reduction dtype; fsdp: of the reduce-scatter (auto: float32, as the reference); ddp: of the
+    # cross-node all-reduce, the reduce-scatter within a node summing the compute dtype (auto: the compute
+    # dtype, as the MLPerf submissions; docs/benchmark.md "Gradient reduction precision")
     reduce_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # -1: all ranks of a node shard, nodes replicate (HSDP); 1 replicate = plain FSDP over all ranks
     dp_shard: int = -1
@@ -442,11 +443,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     )
     need(m.in_channels % 4 == 0, f"model.in_channels: must be 4 x latent channels (2x2 patches), got {m.in_channels}")
     p = cfg.parallel
-    need(
-        not (p.strategy == "ddp" and p.reduce_dtype == "float32" and t.compute_dtype == "bfloat16"),
-        "parallel.reduce_dtype=float32: parallel.strategy=ddp reduces gradients in the compute dtype (bf16); "
-        "use parallel.strategy=fsdp for fp32 reduction, or reduce_dtype=auto",
-    )
     need(
         not cfg.perf.cuda_graphs or p.strategy == "ddp",
         "perf.cuda_graphs: FSDP2 gathers weights into fresh buffers every step, which a CUDA graph cannot "

@@ -12,7 +12,9 @@ micro-batch and reduces every micro-batch: the layout for 80 GB GPUs.
 Buckets are the blocks (and one for the embedders + final layer). A bucket is one flat buffer whose slices
 are the parameters (and one for their gradients); rank r of the shard group owns the r-th 1/S of every
 bucket. Gradients are summed, not averaged, and 1/world joins the clipping factor in the optimizer kernel
-(flux_train.kernels.adamw), so clipping costs no pass over the gradients of its own.
+(flux_train.kernels.adamw), so clipping costs no pass over the gradients of its own. The reduce-scatter sums
+in the buffers' (compute) dtype, the cross-node all-reduce in `cross_dtype` (parallel.reduce_dtype: the
+compute dtype unless float32 is asked for; docs/benchmark.md "Gradient reduction precision" measures both).
 """
 
 from __future__ import annotations
@@ -88,7 +90,15 @@ class DDP:
 
     strategy = "ddp"
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, tcfg: TrainConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        tcfg: TrainConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        cross_dtype: torch.dtype,
+    ):
         self.model = model
         self.tcfg = tcfg
         self.shard_group = mesh["dp_shard"].get_group()
@@ -113,6 +123,11 @@ class DDP:
         self.steps = 0
         self._first = self._last = True
         self._reductions: list[dist.Work] = []
+        # a cross-node sum in another dtype goes through one static buffer, a bucket at a time (a CUDA graph
+        # replays it)
+        self._cross = None
+        if self.world > self.shards and cross_dtype != dtype:
+            self._cross = torch.zeros(max(b.shard_numel for b in self.buckets), dtype=cross_dtype, device=device)
 
     def _build_bucket(self, named, dtype, device, rank: int, master_offset: int) -> Bucket:
         bucket = Bucket(names=[canonical_name(n) for n, _ in named])
@@ -195,9 +210,21 @@ class DDP:
             work.wait()
         self._reductions.clear()
         if self.world > self.shards:
+            self._sum_across_nodes()
+
+    def _sum_across_nodes(self) -> None:
+        """All-reduce every bucket's gradient shard over the replicas: in place, or through the cross-dtype buffer
+        (the shard converted, summed, rounded back once)."""
+        if self._cross is None:
             works = [dist.all_reduce(b.grad_shard, group=self.replicate_group, async_op=True) for b in self.buckets]
             for work in works:
                 work.wait()
+            return
+        for bucket in self.buckets:
+            wide = self._cross[: bucket.shard_numel]
+            wide.copy_(bucket.grad_shard)
+            dist.all_reduce(wide, group=self.replicate_group)
+            bucket.grad_shard.copy_(wide)
 
     def begin_step(self, lr: float) -> None:
         """This step's learning rate and count into the device tensor the optimizer kernels read."""

@@ -93,6 +93,9 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def reduce_dtype(pcfg: ParallelConfig, compute_dtype: torch.dtype) -> torch.dtype:
+    """fsdp: the gradient reduce-scatter's dtype (auto: fp32, as the reference reduces). ddp: the cross-node
+    all-reduce's, the reduce-scatter within a node summing the compute dtype (auto: the compute dtype, as the
+    MLPerf submissions reduce: docs/benchmark.md "Gradient reduction precision")."""
     if pcfg.reduce_dtype == "auto":
         return torch.float32 if pcfg.strategy == "fsdp" else compute_dtype
     return torch.float32 if pcfg.reduce_dtype == "float32" else torch.bfloat16
@@ -193,7 +196,7 @@ def build_training(
 ) -> FSDPTraining | DDP:
     """The model's training layout, weights allocated on `device`, not yet initialised."""
     if pcfg.strategy == "ddp":
-        return DDP(model, mesh, tcfg, dtype, device)
+        return DDP(model, mesh, tcfg, dtype, device, reduce_dtype(pcfg, dtype))
     return FSDPTraining(model, mesh, pcfg, tcfg, dtype, device)
 
 

@@ -98,10 +98,6 @@ def test_recipes_match_reference_table():
             "perf.cuda_graphs: FSDP2 gathers weights into fresh buffers",
         ),
         (["perf.cuda_graphs=true", "parallel.strategy=ddp"], "set perf.warmup_iters >= 1"),
-        (
-            ["parallel.strategy=ddp", "parallel.reduce_dtype=float32", "train.compute_dtype=bfloat16"],
-            "parallel.strategy=ddp reduces gradients in the compute dtype",
-        ),
     ],
 )
 def test_layout_and_graph_combinations_that_cannot_work_are_refused(tmp_path, overrides, message):
