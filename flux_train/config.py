@@ -446,7 +446,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     return cls(**kwargs)
 
 
-def _at_least(low: int) -> tuple[str, Callable[[Any], bool]]:
+def _at_least(low: float) -> tuple[str, Callable[[Any], bool]]:
     return f">= {low}", lambda v: v >= low
 
 

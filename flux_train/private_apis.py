@@ -9,7 +9,7 @@ breaks here, and the tests named beside each fail first.
   tests/test_data_energon.py.
 - megatron-energon 7.x: the `<shard>.tar.idx` files its `prepare` writes beside each shard (uint64 byte offsets of
   the samples, then the end of the last), so that a shard cut short is named before the run reads it. Tests:
-  tests/test_reliability.py.
+  tests/test_data_energon.py.
 - mlperf-logging 4.1 (<5): the compliance checker's `make_checker` and its module-level `enqueued_configs`,
   the checker object's message dictionaries, `rcp_checker.check_directory` and the RCP table beside it. The
   package's public interface is its command line, which prints and exits; `results` needs the verdicts keyed

@@ -1,4 +1,4 @@
-"""The run folder (logging.out_dir, and checkpoint.dir where it is elsewhere), claimed by the main rank before the
+"""The run folder (logging.out_dir, and checkpoint.dir wherever it is), claimed by the main rank before the
 run writes anything there: one run at a time (dataprep.folder_lock), no symbolic link written through, a finished
 run not started again, the checkpoint to resume from chosen once for every rank, and the records of a resumed
 run (mllog.log, metrics.jsonl) cut back to that checkpoint, so that each step and each eval is written once.
@@ -49,15 +49,14 @@ def claim(cfg: Config, rank: int, world_size: int) -> Claim:
 
 def _claim(cfg: Config, world_size: int) -> Claim:
     out, ckpt = Path(cfg.logging.out_dir), checkpoint.checkpoint_dir(cfg)
-    folders = {"logging.out_dir": out}
-    if not ckpt.resolve().is_relative_to(out.resolve()):
-        folders["checkpoint.dir"] = ckpt
+    # both, wherever the checkpoints are: another run with its own out_dir must not save into this one's
+    folders = {"logging.out_dir": out, "checkpoint.dir": ckpt}
+    for folder in folders.values():  # before the locks, which would write their files through a linked folder
+        refuse_links(folder)
     try:
         locks = [lock_folder(folder, key) for key, folder in folders.items()]
     except FolderLockError as exc:
         raise ConfigError(str(exc)) from None
-    for folder in folders.values():
-        refuse_links(folder)
     resume_from = checkpoint.resolve_resume(cfg, world_size)
     log = out / cfg.logging.mllog_file
     gbs = cfg.train.global_batch_size
@@ -90,8 +89,8 @@ def refuse_links(folder: Path) -> None:
 
 def finished(records: list[dict], resume_samples: int | None, cap_samples: int) -> bool:
     """Whether the log holds a run that ended with nothing left to do: a success, a stop with no checkpoint before
-    it, or at the step cap. A run stopped by a non-finite loss resumes from the checkpoint before the stop (whose
-    record is cut away), and a run at its step cap goes on under a larger train.max_steps."""
+    it, or one at this run's step cap. A run stopped by a non-finite loss resumes from the checkpoint before the
+    stop, whose record is cut away."""
     for r in records:
         if r.get("key") == C.RUN_STOP and (
             (r.get("metadata") or {}).get("status") == C.SUCCESS

@@ -258,3 +258,21 @@ def test_prepare_refuses_nvidia_duplicate_keys_with_guidance_and_reads_their_tar
         for sample, row in zip(samples, rows[split]):
             assert encode_bf16(sample["t5"]) == row["parts"]["t5"]
             assert int(sample.get("timestep", -1)) == (row["timestep"] if split == "val" else -1)
+
+
+def test_a_second_writer_of_an_output_folder_is_refused_naming_the_holder(tmp_path):
+    """This process holds --out's lock, as a running convert does: another convert into it stops before writing
+    anything (two converts writing one folder at once left shards of zeros)."""
+    import socket
+
+    from dataprep.folder_lock import lock_folder
+
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "dataprep", "convert", "--train", str(tmp_path / "in"), "--out", str(out)]
+    with lock_folder(out, "--out"):
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert line.startswith(f"error: --out {out} is in use by host {socket.gethostname()} pid {os.getpid()} since ")
+    assert line.endswith("; wait for it to end, or choose another --out") and "\n" not in line
+    assert [p.name for p in out.iterdir()] == [".lock"]
