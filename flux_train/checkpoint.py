@@ -87,7 +87,8 @@ def read_progress(path: Path) -> dict:
         progress = torch.load(path / PROGRESS, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch.load fails on a cut or garbled file in many ways
         raise ValueError(f"{PROGRESS} is unreadable ({_brief(exc)})") from None
-    if not (isinstance(progress, dict) and all(isinstance(progress.get(k), int) for k in ("step", "world_size"))):
+    step, world = (progress.get("step"), progress.get("world_size")) if isinstance(progress, dict) else (None, None)
+    if not isinstance(step, int) or not isinstance(world, int) or not 1 <= world < 2**20:  # garbled, yet unpickled
         raise ValueError(f"{PROGRESS} holds no step and world size")
     return progress
 

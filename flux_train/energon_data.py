@@ -350,6 +350,15 @@ def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
     except FormatError as exc:
         raise DataError(str(exc)) from None
     dims = DimsCheck(path, info, empty_t5, empty_clip, cfg.model, empty_dir)
-    val = EnergonVal(path, rank, world, cfg.eval.batch_size, d.num_workers, check_sample=dims)
-    train = EnergonTrainStream(path, rank, world, cfg.train.micro_batch_size, d, cfg.train.seed)
+    try:
+        val = EnergonVal(path, rank, world, cfg.eval.batch_size, d.num_workers, check_sample=dims)
+        train = EnergonTrainStream(path, rank, world, cfg.train.micro_batch_size, d, cfg.train.seed)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - energon reports garbled metadata (.nv-meta) with many exception types
+        said = " ".join(str(exc).split())[:300]
+        raise DataError(
+            f"{path}: energon cannot open it ({type(exc).__name__}: {said}); rewrite its metadata with "
+            f"`python -m dataprep prepare {path}`"
+        ) from None
     return DataSource(train, val, empty_t5, empty_clip, val.size)

@@ -74,17 +74,19 @@ def _claim(cfg: Config, world_size: int) -> Claim:
     return Claim(resume_from, locks)
 
 
-def refuse_links(folder: Path) -> None:
-    """The run writes regular files and folders only: a symbolic link planted anywhere in its folder (metrics.jsonl
-    -> /etc/...) would have it write elsewhere, so it is refused, not followed."""
-    for parent, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            path = Path(parent) / name
-            if path.is_symlink():
-                raise ConfigError(
-                    f"{path} is a symbolic link (to {os.readlink(path)}); the run does not write through links in "
-                    "its folder: remove it (checkpoint.dir puts checkpoints elsewhere)"
-                )
+def refuse_links(folder: Path, depth: int = 2) -> None:
+    """The run writes regular files and folders only: a symbolic link planted where it writes (metrics.jsonl ->
+    /etc/..., heartbeats/rank_00000, checkpoints/step_00000010) would have it write elsewhere, so it is refused, not
+    followed. Two levels deep, as deep as the run writes, whatever else a folder holds."""
+    for entry in os.scandir(folder) if folder.is_dir() else ():
+        path = Path(entry.path)
+        if entry.is_symlink():
+            raise ConfigError(
+                f"{path} is a symbolic link (to {os.readlink(path)}); the run does not write through links in its "
+                "folder: remove it (checkpoint.dir puts checkpoints elsewhere)"
+            )
+        if depth > 1 and entry.is_dir():
+            refuse_links(path, depth - 1)
 
 
 def finished(records: list[dict], resume_samples: int | None, cap_samples: int) -> bool:
@@ -118,14 +120,16 @@ def _step_of(line: str) -> int | None:
 
 
 def cut_back(path: Path, position: Callable[[str], int | None], limit: int) -> None:
-    """Keep the lines of a record file up to the first past `limit` (by `position`), or unreadable, or cut short by
-    a crash (no newline); the file is replaced whole, so a crash here leaves the old one."""
+    """Keep the records of a file up to the first past `limit` (by `position`), dropping lines that are none (cut
+    short or garbled); the file is replaced whole, so a crash here leaves the old one."""
     if not path.is_file():
         return
     kept = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
-        at = position(line)
-        if not line.endswith("\n") or at is None or at > limit:
+        at = position(line) if line.endswith("\n") else None
+        if at is None:  # not a record, or one a crash or a full disk cut short
+            continue
+        if at > limit:
             break
         kept.append(line)
     tmp = path.with_name(path.name + ".tmp")

@@ -130,6 +130,7 @@ def test_layout_and_graph_combinations_that_cannot_work_are_refused(tmp_path, ov
         ("data.num_workers=-2", "data.num_workers: must be >= 0, got -2"),
         ("model.axes_dims_rope=[2, 7, 7]", "model.axes_dims_rope: every axis must be a positive even number"),
         ("train.lr=*x", "--set 'train.lr=*x': line 1: an alias (*name); write the value out instead"),
+        ('logging.out_dir="/tmp/a\\nb"', "logging.out_dir: '/tmp/a\\nb' holds a control character"),
     ],
 )
 def test_empty_and_nonsensical_values_end_in_one_line_naming_the_key(capsys, override, message):

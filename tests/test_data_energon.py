@@ -336,3 +336,19 @@ def test_a_garbled_sample_read_by_a_loader_worker_ends_the_run_in_one_line(datas
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith(f"data error: train/shard_000001.tar: sample {member.name.split('.')[0]}: t5.bytes: ")
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("empty_encodings/t5_empty.npy", "{copy}/empty_encodings/t5_empty.npy: not a readable .npy file ("),
+        (".nv-meta/split.yaml", "{copy}: energon cannot open it (JsonValueError: "),
+    ],
+)
+def test_garbled_metadata_or_empty_encodings_are_one_line_naming_them(dataset, tmp_path, damage, message):
+    copy = shutil.copytree(dataset, tmp_path / "ds")
+    (copy / damage).write_text("split_parts: 5\n")
+    with pytest.raises(DataError) as exc:
+        build_energon(energon_config(copy), 0, 1)
+    assert str(exc.value).startswith(message.format(copy=copy)), str(exc.value)
+    assert "\n" not in str(exc.value)

@@ -276,3 +276,23 @@ def test_a_second_writer_of_an_output_folder_is_refused_naming_the_holder(tmp_pa
     assert line.startswith(f"error: --out {out} is in use by host {socket.gethostname()} pid {os.getpid()} since ")
     assert line.endswith("; wait for it to end, or choose another --out") and "\n" not in line
     assert [p.name for p in out.iterdir()] == [".lock"]
+
+
+def test_a_full_disk_while_writing_a_shard_is_one_line_naming_it(tmp_path):
+    """The shard's partial file is a link to /dev/full, whose writes fail as a full disk's do (ENOSPC)."""
+    from dataprep.format import tar_sample
+    from dataprep.shards import ShardPlan, SplitWriter
+
+    writer = SplitWriter(tmp_path, "train")
+    writer.start({"input": "test"})
+    partial = writer.dir / "shard_000000.tar.partial"
+    partial.symlink_to("/dev/full")
+    sample = next(fixture_samples(SPEC, "train"))
+    with pytest.raises(DataprepError) as exc:
+        writer.write(ShardPlan(0, 0, 1), [tar_sample(0, sample["key"], sample["parts"], None)], [])
+    assert str(exc.value) == (
+        f"{writer.dir / 'shard_000000.tar'}: writing it failed (No space left on device); make room and rerun the "
+        "same command (finished shards are kept)"
+    )
+    assert not partial.is_symlink() and not (writer.dir / "shard_000000.tar").exists()
+    assert writer.finished(ShardPlan(0, 0, 1)) is None  # the rerun writes it
