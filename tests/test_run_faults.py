@@ -296,21 +296,30 @@ def test_a_checkpoint_of_another_world_size_is_refused_once_for_two_ranks(runs, 
 # ------------------------------------------------------------------ planted links, export, results
 
 
+def contents(path: Path):
+    """A file's bytes, or a folder's files by name, lock files included."""
+    return {p.name: p.read_bytes() for p in path.iterdir()} if path.is_dir() else path.read_bytes()
+
+
 @pytest.mark.parametrize("name", ["metrics.jsonl", "heartbeats/rank_00000", "checkpoints"])
 def test_a_symbolic_link_in_the_run_folder_is_refused_not_written_through(runs, tmp_path, capsys, name):
     out = copy_of(runs, tmp_path)
-    victim = tmp_path / "victim"
-    victim.mkdir() if name == "checkpoints" else victim.write_text("not yours\n")
-    link = out / name
-    shutil.rmtree(link) if link.is_dir() else link.unlink()
+    link, victim = out / name, tmp_path / "victim"
+    if link.is_dir():
+        victim.mkdir()
+        (victim / "mine.txt").write_text("not yours\n")
+        shutil.rmtree(link)
+    else:
+        victim.write_text("not yours\n")
+        link.unlink()
     link.symlink_to(victim)
-    before = snapshot(out), snapshot(tmp_path / "victim") if victim.is_dir() else victim.read_text()
+    before = snapshot(out), contents(victim)
     rc = train.main(["--config", "configs/debug.yaml", *flags(), "--set", f"logging.out_dir={out}"])
     assert rc == 2 and capsys.readouterr().err.strip() == (
         f"config error: {link} is a symbolic link (to {victim}); the run does not write through links in its "
         "folder: remove it (checkpoint.dir puts checkpoints elsewhere)"
     )
-    assert (snapshot(out), snapshot(victim) if victim.is_dir() else victim.read_text()) == before
+    assert (snapshot(out), contents(victim)) == before
 
 
 def test_export_onto_an_existing_file_or_folder_is_refused_in_one_line(runs, tmp_path, capsys):
