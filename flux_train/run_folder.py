@@ -14,12 +14,12 @@ from typing import IO, Callable
 
 import torch.distributed as dist
 
-from dataprep.folder_lock import FolderLockError, lock_folder
+from dataprep.folder_lock import LOCK_FILE, FolderLockError, lock_folder
 from flux_train import checkpoint
 from flux_train.config import Config, ConfigError
 from flux_train.errors import StorageError, UserError, raise_on_every_rank
 from flux_train.mllog import C, parse, read_records, samples_count
-from flux_train.report import METRICS_FILE
+from flux_train.report import METRICS_FILE, REPORT_FILE
 
 
 @dataclass
@@ -49,6 +49,9 @@ def claim(cfg: Config, rank: int, world_size: int) -> Claim:
 
 def _claim(cfg: Config, world_size: int) -> Claim:
     out, ckpt = Path(cfg.logging.out_dir), checkpoint.checkpoint_dir(cfg)
+    log = out / cfg.logging.mllog_file
+    if log.name in (LOCK_FILE, METRICS_FILE, REPORT_FILE, "config.yaml"):  # the log would replace it
+        raise ConfigError(f"logging.mllog_file: {log.name} is another file of the run folder; name the log mllog.log")
     # both, wherever the checkpoints are: another run with its own out_dir must not save into this one's
     folders = {"logging.out_dir": out, "checkpoint.dir": ckpt}
     for folder in folders.values():  # before the locks, which would write their files through a linked folder
@@ -58,7 +61,6 @@ def _claim(cfg: Config, world_size: int) -> Claim:
     except FolderLockError as exc:
         raise ConfigError(str(exc)) from None
     resume_from = checkpoint.resolve_resume(cfg, world_size)
-    log = out / cfg.logging.mllog_file
     gbs = cfg.train.global_batch_size
     step = checkpoint.read_progress(resume_from)["step"] if resume_from else None
     resume_samples = None if step is None else step * gbs

@@ -402,3 +402,23 @@ def test_a_run_stopped_by_a_non_finite_loss_resumes_and_a_finished_one_does_not(
     assert run_folder.finished(stop("aborted", 32), 32, 480)  # stopped at the checkpoint itself
     assert run_folder.finished(stop("aborted", 480), 32, 480)  # the step cap
     assert run_folder.finished(stop("success", 48), 32, 480)
+
+
+def test_a_log_named_as_another_run_file_is_refused_before_the_folder_is_made(tmp_path, capsys):
+    """logging.mllog_file=.lock: a fresh run would delete the lock file, and a second run lock a new one."""
+    out = tmp_path / "run"
+    rc = train.main(
+        [
+            "--config",
+            "configs/debug.yaml",
+            *flags(),
+            "--set",
+            f"logging.out_dir={out}",
+            "--set",
+            "logging.mllog_file=.lock",
+        ]
+    )
+    assert rc == 2 and capsys.readouterr().err == (
+        "config error: logging.mllog_file: .lock is another file of the run folder; name the log mllog.log\n"
+    )
+    assert not out.exists()
