@@ -115,7 +115,7 @@ def test_layout_and_graph_combinations_that_cannot_work_are_refused(tmp_path, ov
         ("data.path=", "data.path: empty; give a value, or null to leave it unset"),  # an unset $DATA
         ("logging.out_dir=", "logging.out_dir: empty; give a value, or null to leave it unset"),
         ("checkpoint.dir= ", "checkpoint.dir: empty; give a value, or null to leave it unset"),
-        ("logging.mllog_file=../../etc/x", "logging.mllog_file: a file name in logging.out_dir, not a path, got"),
+        ("logging.mllog_file=logs/mllog.log", "logging.mllog_file: a file name in logging.out_dir, not a path, got"),
         ("train.lr=1e309", "train.lr: expected a finite number, got inf"),
         (f"train.lr={'9' * 400}", "train.lr: expected a finite number, got inf"),
         ("eval.target=.nan", "eval.target: expected a finite number, got nan"),
