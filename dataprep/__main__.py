@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import braceexpand
 
 from dataprep.encoders import add_encoder_arguments
+from dataprep.folder_lock import FolderLockError, lock_folder
 from dataprep.format import DataprepError, Shape
 
 EXIT_BAD_INPUT = 2  # as flux_train.errors.EXIT_BAD_INPUT
@@ -210,10 +212,30 @@ def run(args) -> int:
     return 0
 
 
+# the subcommands that write a folder, and the argument naming it; verify only reads (a read-only mount is fine)
+WRITES = {"convert": "--out", "encode": "--out", "empty-encodings": "--out", "fixture": "--out", "prepare": "root"}
+
+
+def hold_output(args):
+    """The lock on the folder this subcommand writes, as a context (none for verify): a second process writing the
+    same folder is refused instead of interleaving its shards with ours."""
+    flag = WRITES.get(args.command)
+    if flag is None:
+        return contextlib.nullcontext()
+    folder = args.root if flag == "root" else args.out
+    if flag == "root" and not folder.is_dir():
+        raise DataprepError(f"{folder}: no such folder; give the dataset root (holding train/ and val/)")
+    try:
+        return lock_folder(folder, flag)
+    except FolderLockError as exc:
+        raise DataprepError(str(exc)) from None
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        return run(args)
+        with hold_output(args):
+            return run(args)
     except DataprepError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -221,7 +221,10 @@ def load_empty_encodings(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
                 f"{file}: missing; write it with `python -m dataprep empty-encodings` or point "
                 f"data.empty_encodings at the folder holding {EMPTY_T5} and {EMPTY_CLIP}"
             )
-        array = np.load(file, allow_pickle=False)
+        try:
+            array = np.load(file, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:  # cut short, or not npy at all
+            raise FormatError(f"{file}: not a readable .npy file ({exc}); write it again") from None
         if array.dtype not in (np.float16, np.float32):
             raise FormatError(
                 f"{file}: dtype {array.dtype}, expected float16 values (as save_empty_encodings.py writes them)"

@@ -129,6 +129,12 @@ class SplitWriter:
             else:  # every input row was skipped: no empty tar for energon to index
                 tmp.unlink()
                 final.unlink(missing_ok=True)
+        except OSError as exc:  # a full disk or a quota: named in one line (from a worker too), and a rerun resumes
+            tmp.unlink(missing_ok=True)
+            raise DataprepError(
+                f"{final}: writing it failed ({exc.strerror}); make room and rerun the same command (finished shards "
+                "are kept)"
+            ) from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

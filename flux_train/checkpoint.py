@@ -2,9 +2,15 @@
 export of the model to a diffusers folder.
 
 Layout: <dir>/step_00001234/ holds the DCP shards of {"model", "optim"}, `loader_rank<r>.pt` per rank and
-`progress.pt` (step, eval count, world size, strategy). A save goes to `step_XXXX.tmp/` and is renamed once
-every rank has finished, so a crash mid-save leaves the previous checkpoint the latest valid one. No RNG
-state is needed: every random stream is seeded from (seed, step, micro-batch) (flow.seeded_generator).
+`progress.pt` (step, eval count, and the settings a resume must share: world size, strategy, global batch size,
+data source and loader workers). A save goes to `step_XXXX.tmp/` and is renamed once every rank has finished,
+so a crash mid-save leaves the previous checkpoint the latest valid one; a save that fails (a full disk) fails
+on every rank alike. No RNG state is needed: every random stream is seeded from (seed, step, micro-batch)
+(flow.seeded_generator).
+
+Resuming (`checkpoint.resume=auto`) takes the newest checkpoint that reads back whole and skips, naming them,
+the ones that do not (a shard cut short, missing metadata or loader state, an empty progress file), as a crash,
+a full disk or a copy cut short leaves them; one of another model or layout is refused before anything starts.
 
 With `checkpoint.async_save` a save copies the state to host memory and returns (on a GPU into pinned buffers
 that are kept for the next save: several times faster than pageable copies); the files are written by a
@@ -20,15 +26,24 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from flux_train.config import ConfigError
-from flux_train.errors import Parser, reports_user_errors
+from flux_train.config import ConfigError, ModelConfig
+from flux_train.errors import Parser, StorageError, UserError, raise_on_every_rank, reports_user_errors
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+PROGRESS = "progress.pt"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be resumed from or exported; the message names it, why, and the fix."""
+
+    label = "checkpoint error"
 
 
 def checkpoint_dir(cfg) -> Path:
@@ -39,25 +54,178 @@ def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints, oldest first (temporary `.tmp` folders of interrupted saves are ignored)."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "progress.pt").is_file()]
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / PROGRESS).is_file()]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def resolve_resume(cfg) -> Path | None:
-    """`checkpoint.resume`: auto = the latest complete checkpoint if any, none = fresh, else a path."""
+def last_good(root: Path) -> str:
+    """The sentence naming the checkpoint a failed run can be resumed from."""
+    found = list_checkpoints(root)
+    return (
+        f"the last good checkpoint is {found[-1]} (checkpoint.resume=auto picks it up)"
+        if found
+        else "no checkpoint was written before it"
+    )
+
+
+def _brief(exc: BaseException) -> str:
+    """An exception in a few words: the file it names, or its type and first line."""
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _failure(exc: CheckpointException) -> str:
+    """The first failure DCP gathered from its ranks, in a few words."""
+    return _brief(next(iter(exc.failures.values()))[0])
+
+
+def read_progress(path: Path) -> dict:
+    """A checkpoint's progress.pt; ValueError saying why when it is missing, empty or garbled."""
+    try:
+        progress = torch.load(path / PROGRESS, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch.load fails on a cut or garbled file in many ways
+        raise ValueError(f"{PROGRESS} is unreadable ({_brief(exc)})") from None
+    step, world = (progress.get("step"), progress.get("world_size")) if isinstance(progress, dict) else (None, None)
+    if not isinstance(step, int) or not isinstance(world, int) or not 1 <= world < 2**20:  # garbled, yet unpickled
+        raise ValueError(f"{PROGRESS} holds no step and world size")
+    return progress
+
+
+def unreadable(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from (None: every file it needs is there, whole): what a
+    crash, a full disk or a copy cut short leaves. Shard contents are not read, only their sizes."""
+    try:
+        progress = read_progress(path)
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except ValueError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - a missing or garbled .metadata
+        return f"its DCP metadata (.metadata) is missing or unreadable ({_brief(exc)})"
+    need: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have is None or have < size:
+            return f"{name} is {'missing' if have is None else f'cut short ({have} of {size} bytes)'}"
+    for rank in range(progress["world_size"]):
+        try:
+            torch.load(path / f"loader_rank{rank}.pt", weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            return f"the loader state of rank {rank} is missing or unreadable ({_brief(exc)})"
+    return None
+
+
+def model_mismatch(mcfg: ModelConfig, path: Path) -> str | None:
+    """How the model saved at `path` differs from the one `mcfg` builds (None: same names and shapes)."""
+    from flux_train.model import build_model
+
+    saved = {
+        name.removeprefix("model."): tuple(meta.size)
+        for name, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+        if name.startswith("model.")
+    }
+    mine = {name: tuple(t.shape) for name, t in build_model(mcfg, rmsnorm_impl="torch").state_dict().items()}
+    for name in sorted(mine.keys() | saved.keys()):
+        if saved.get(name) != mine.get(name):
+            there, here = (f"{list(s)}" if s else "missing" for s in (saved.get(name), mine.get(name)))
+            return f"'{name}' is {there} there and {here} here (model.flavor {mcfg.flavor})"
+    return None
+
+
+def resume_settings(cfg, world_size: int) -> dict:
+    """What a checkpoint records of the run that wrote it, and a resume must share: the layout the optimizer state
+    and the loader order depend on, and the batch size the samples count is made of."""
+    return {
+        "world_size": world_size,
+        "strategy": cfg.parallel.strategy,
+        "global_batch_size": cfg.train.global_batch_size,
+        "data_source": cfg.data.source,
+        "num_workers": cfg.data.num_workers,
+    }
+
+
+SETTING_NAMES = {
+    "world_size": "world size (nodes x GPUs per node)",
+    "strategy": "parallel.strategy",
+    "global_batch_size": "train.global_batch_size",
+    "data_source": "data.source",
+    "num_workers": "data.num_workers",
+}
+
+
+def check_resumable(path: Path, cfg, world_size: int) -> None:
+    """Refuse, naming the difference and the fix, a checkpoint this run cannot continue exactly."""
+    saved, mine = read_progress(path), resume_settings(cfg, world_size)
+    if cfg.data.source != "energon":  # the synthetic source's order does not depend on the workers
+        del mine["num_workers"]
+    fix = "resume with the run's own settings, or start this one in a new logging.out_dir"
+    for key, value in mine.items():
+        if key in saved and saved[key] != value:
+            raise CheckpointError(
+                f"checkpoint {path} was saved with {SETTING_NAMES[key]} {saved[key]}, this run has {value}: {fix}"
+            )
+    mismatch = model_mismatch(cfg.model, path)
+    if mismatch:
+        raise CheckpointError(f"checkpoint {path} holds another model: {mismatch}; {fix}")
+
+
+def resolve_resume(cfg, world_size: int) -> Path | None:
+    """`checkpoint.resume` (main rank only): auto = the newest checkpoint that reads back whole, each newer one it
+    skips named on stderr; none = fresh; else that folder. The one chosen is checked against this run."""
     choice = cfg.checkpoint.resume
     if choice == "none":
         return None
-    if choice == "auto":
-        found = list_checkpoints(checkpoint_dir(cfg))
-        return found[-1] if found else None
-    path = Path(choice)
-    if not (path / "progress.pt").is_file():
-        raise ConfigError(
-            f"checkpoint.resume={choice}: not a complete checkpoint folder (no progress.pt); use a "
-            "step_XXXXXXXX folder, auto (the latest in checkpoint.dir) or none"
+    if choice != "auto":
+        path = Path(choice)
+        why = unreadable(path)
+        if why:
+            raise CheckpointError(
+                f"checkpoint.resume={choice}: cannot resume from it: {why}; give a complete step_XXXXXXXX folder, "
+                "auto (the newest readable one in checkpoint.dir) or none"
+            )
+        check_resumable(path, cfg, world_size)
+        return path
+    found = list_checkpoints(checkpoint_dir(cfg))
+    for path in reversed(found):
+        why = unreadable(path)
+        if why is None:
+            check_resumable(path, cfg, world_size)
+            return path
+        print(f"flux-train: warning: skipped checkpoint {path}: {why}", file=sys.stderr, flush=True)
+    if found:
+        raise CheckpointError(
+            f"none of the {len(found)} checkpoints in {checkpoint_dir(cfg)} can be resumed from (above); restore one, "
+            "or set checkpoint.resume=none to start over (the logs of the earlier run are replaced)"
         )
-    return path
+    return None
+
+
+def remove_leftovers(root: Path) -> None:
+    """Temporary folders of saves that were interrupted (a crash, a full disk): as large as a checkpoint."""
+    for tmp in root.glob("step_*.tmp") if root.is_dir() else ():
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _on_every_rank(what: Path, write: Callable[[], None], group=None) -> None:
+    """This rank's part of a save; when it fails on any rank every rank raises (none is left waiting in the next
+    collective), the main rank with the first failure named."""
+    try:
+        write()
+        error = None
+    except OSError as exc:
+        error = _brief(exc)
+    except CheckpointException as exc:  # DCP gathers the writers' failures and raises it on every rank
+        error = _failure(exc)
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = next((e for e in errors if e), None)
+    if failed:
+        if dist.get_rank() == 0:
+            shutil.rmtree(what.with_name(what.name + ".tmp"), ignore_errors=True)  # give the space back
+        raise_on_every_rank(StorageError(f"writing checkpoint {what} failed ({failed})"), dist.get_rank() == 0)
 
 
 class Checkpointer:
@@ -84,18 +252,21 @@ class Checkpointer:
         self.wait()
         rank = dist.get_rank()
         final, tmp = self.root / f"step_{step:08d}", self.root / f"step_{step:08d}.tmp"
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        torch.save(loader_state, tmp / f"loader_rank{rank}.pt")
+
+        def start() -> None:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+
+        _on_every_rank(final, start)  # a collective: the folder exists for every rank after it
+        _on_every_rank(final, lambda: torch.save(loader_state, tmp / f"loader_rank{rank}.pt"))
         if self.async_save:
             future = dcp.async_save(
                 training.state_dict(), checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager
             )
             self.pending = (future, tmp, final, progress)
         else:
-            dcp.save(training.state_dict(), checkpoint_id=str(tmp))
+            _on_every_rank(final, lambda: dcp.save(training.state_dict(), checkpoint_id=str(tmp)))
             self._complete(tmp, final, progress)
         return final
 
@@ -105,7 +276,7 @@ class Checkpointer:
             return None
         future, tmp, final, progress = self.pending
         self.pending = None
-        future.result()
+        _on_every_rank(final, future.result, self.group)
         self._complete(tmp, final, progress)
         return final
 
@@ -117,40 +288,39 @@ class Checkpointer:
             self.stager = None
 
     def _complete(self, tmp: Path, final: Path, progress: dict) -> None:
-        dist.barrier(group=self.group)
-        if dist.get_rank() == 0:
-            torch.save(progress, tmp / "progress.pt")  # written last: its presence marks a complete checkpoint
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            for old in list_checkpoints(self.root)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        dist.barrier(group=self.group)
+        def publish() -> None:
+            if dist.get_rank() == 0:
+                torch.save(progress, tmp / PROGRESS)  # written last: its presence marks a complete checkpoint
+                shutil.rmtree(final, ignore_errors=True)
+                tmp.rename(final)
+                for old in list_checkpoints(self.root)[: -self.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+
+        _on_every_rank(final, publish, self.group)  # also the barrier after which the checkpoint is complete
 
 
 def load(path: Path, training) -> tuple[dict, dict]:
-    """Collective: restores weights and optimizer in place; returns (progress, this rank's loader state)."""
-    progress = torch.load(path / "progress.pt", weights_only=True)
-    world = dist.get_world_size()
-    if progress["world_size"] != world:
-        raise RuntimeError(
-            f"checkpoint {path} was written by {progress['world_size']} ranks, this run has {world}; "
-            "the loader state cannot be split differently (resume with the same node/GPU count)"
-        )
-    if progress.get("strategy", "fsdp") != training.strategy:
-        raise RuntimeError(
-            f"checkpoint {path} was written with parallel.strategy={progress.get('strategy', 'fsdp')}, "
-            f"this run uses {training.strategy}; resume with the same strategy"
-        )
+    """Collective: restores weights and optimizer in place; returns (progress, this rank's loader state). The
+    checkpoint was checked before (resolve_resume); what fails here is garbled inside a shard."""
+    progress = read_progress(path)
     state = training.state_dict()
-    dcp.load(state, checkpoint_id=str(path))
+    fix = f"move it out of {path.parent}: checkpoint.resume=auto then takes the one before"
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as exc:  # raised on every rank alike
+        error = CheckpointError(f"checkpoint {path} could not be read ({_failure(exc)}); {fix}")
+        raise_on_every_rank(error, dist.get_rank() == 0)
     training.load_state_dict(state)
-    loader = torch.load(path / f"loader_rank{dist.get_rank()}.pt", weights_only=True)
+    try:
+        loader = torch.load(path / f"loader_rank{dist.get_rank()}.pt", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a cut or garbled file fails in many ways
+        raise CheckpointError(f"checkpoint {path}: the loader state could not be read ({_brief(exc)}); {fix}") from None
     return progress, loader
 
 
 def find_checkpoint(path: Path) -> Path | None:
     """`path` if it is a complete checkpoint, else the latest complete one in it; None if there is none."""
-    if (path / "progress.pt").is_file():
+    if (path / PROGRESS).is_file():
         return path
     found = list_checkpoints(path)
     return found[-1] if found else None
@@ -161,27 +331,41 @@ def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
     save fp32 weights, ddp runs their bf16 copy (the fp32 master is sharded by flat position, not by tensor)."""
     from flux_train.model import build_model
 
+    why = unreadable(checkpoint)
+    if why:
+        raise CheckpointError(f"checkpoint {checkpoint} cannot be read: {why}; give another step_XXXXXXXX folder")
+    mismatch = model_mismatch(cfg.model, checkpoint)
+    if mismatch:
+        raise ConfigError(
+            f"checkpoint {checkpoint} does not hold model flavor '{cfg.model.flavor}' ({mismatch}); pass the config "
+            "the run trained with"
+        )
     model = build_model(cfg.model, rmsnorm_impl="torch")
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
-    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    for name, tensor in state["model"].items():
-        have = saved.get(f"model.{name}")
-        if have is None or tuple(have.size) != tuple(tensor.shape):
-            raise ConfigError(
-                f"checkpoint {checkpoint} does not hold model flavor '{cfg.model.flavor}' ('{name}' is "
-                f"{tuple(have.size) if have else 'missing'} there, {tuple(tensor.shape)} here); pass "
-                "the config the run trained with"
-            )
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    except CheckpointException as exc:
+        raise CheckpointError(f"checkpoint {checkpoint} could not be read ({_failure(exc)})") from None
     return state["model"]
 
 
 def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
-    """Offline export of a DCP checkpoint's weights as a diffusers folder."""
+    """Offline export of a DCP checkpoint's weights as a diffusers folder, written beside it and renamed into place
+    when complete; nothing that exists at `out` is written into (an empty folder aside)."""
     from flux_train.diffusers_adapter import save_diffusers
 
-    save_diffusers(read_weights(cfg, checkpoint), cfg.model, out)
+    if out.is_symlink() or (out.exists() and not (out.is_dir() and not any(out.iterdir()))):
+        raise UserError(f"--out {out} exists; give a new folder to write the export into (nothing is overwritten)")
+    weights = read_weights(cfg, checkpoint)
+    partial = out.with_name(out.name + ".partial")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        save_diffusers(weights, cfg.model, partial)
+        partial.rename(out)
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise StorageError(f"writing the export {out} failed ({_brief(exc)})") from None
 
 
 @reports_user_errors

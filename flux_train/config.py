@@ -13,7 +13,7 @@ import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import yaml
 
@@ -299,6 +299,22 @@ def _resolve(ref: str, parent: Path) -> Path:
     raise ConfigError(f"defaults: cannot find '{ref}' (looked in {parent} and {CONFIG_DIR})")
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without anchors and aliases: a config has no use for them, and nested aliases (a "billion laughs" of a
+    few hundred bytes) expand to more values than memory holds."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise ConfigError(f"line {mark.line + 1}: an alias (*name); write the value out instead")
+        return super().compose_node(parent, index)
+
+
+def parse_yaml(text: str):
+    """A config text or a --set value: plain YAML, aliases refused."""
+    return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """Read a config file with its `defaults:` chain merged in; returns a plain nested dict."""
     path = Path(path)
@@ -310,14 +326,24 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     if resolved in _seen:
         raise ConfigError(f"defaults: cycle through {path}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = parse_yaml(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     defaults = raw.pop("defaults", []) or []
     if isinstance(defaults, str):
         defaults = [defaults]
+    if not isinstance(defaults, list) or not all(isinstance(d, str) and d.strip() for d in defaults):
+        raise ConfigError(
+            f"{path}: defaults: expected a list of config names, e.g. [model/flux-debug], got {defaults!r}"
+        )
     merged: dict = {}
     for ref in defaults:
         merged = _deep_merge(merged, load_yaml(_resolve(ref, path.parent), _seen + (resolved,)))
@@ -333,9 +359,11 @@ def apply_override(tree: dict, assignment: str) -> dict:
     if len(keys) < 2 or not all(keys):
         raise ConfigError(f"--set '{assignment}': expected section.key=value")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
+    except ConfigError as exc:
+        raise ConfigError(f"--set '{assignment}': {exc}") from None
     node = tree
     for key in keys[:-1]:
         node = node.setdefault(key, {})
@@ -396,7 +424,13 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond any float
+            value = math.inf
+        if not math.isfinite(value):  # .nan, .inf, or 1e309 (read as a string, then overflowing)
+            raise ConfigError(f"{path}: expected a finite number, got {value}")
+        return value
     if tp is str:
         if isinstance(value, (dict, list)) or value is None:
             raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
@@ -411,7 +445,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
+    unknown = sorted(str(k) for k in set(data) - set(names))  # str: YAML keys may be numbers
     if unknown:
         where = f"{path}." if path else ""
         raise ConfigError(f"unknown key '{where}{unknown[0]}'; accepted keys here: {', '.join(names)}")
@@ -419,24 +453,113 @@ def _build(cls: type, data: Any, path: str) -> Any:
     return cls(**kwargs)
 
 
+def _at_least(low: float) -> tuple[str, Callable[[Any], bool]]:
+    return f">= {low}", lambda v: v >= low
+
+
+def _within(low: float, high: float) -> tuple[str, Callable[[Any], bool]]:
+    return f"in [{low}, {high}]", lambda v: low <= v <= high
+
+
+POSITIVE = ("> 0", lambda v: v > 0)
+BELOW_ONE = ("in [0, 1)", lambda v: 0 <= v < 1)  # an AdamW beta of 1 divides by zero in its bias correction
+AUTO_OR_POSITIVE = ("-1 (auto) or >= 1", lambda v: v == -1 or v >= 1)
+
+# what each number accepts (0 where the key's comment gives it a meaning: off, unset, none)
+RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "model.num_layers": _at_least(0),
+    "model.num_single_layers": _at_least(0),
+    "model.attention_head_dim": POSITIVE,
+    "model.num_attention_heads": POSITIVE,
+    "model.joint_attention_dim": POSITIVE,
+    "model.pooled_projection_dim": POSITIVE,
+    "model.in_channels": POSITIVE,
+    "data.num_workers": _at_least(0),
+    "data.shuffle_buffer_size": _at_least(0),
+    "data.max_samples_per_sequence": _at_least(0),
+    "data.synthetic_train_samples": POSITIVE,
+    "data.synthetic_val_samples": POSITIVE,
+    "data.synthetic_text_len": POSITIVE,
+    "train.global_batch_size": POSITIVE,
+    "train.micro_batch_size": POSITIVE,
+    "train.lr": POSITIVE,
+    "train.warmup_steps": _at_least(0),
+    "train.max_steps": POSITIVE,
+    "train.seed": _within(0, 2**32 - 1),
+    "train.caption_dropout_prob": _within(0, 1),
+    "train.adam_beta1": BELOW_ONE,
+    "train.adam_beta2": BELOW_ONE,
+    "train.adam_eps": POSITIVE,
+    "train.weight_decay": _at_least(0),
+    "train.grad_clip_norm": POSITIVE,
+    "train.latent_scale": POSITIVE,
+    "train.inject_nan_at_step": _at_least(0),
+    "eval.every_samples": POSITIVE,
+    "eval.every_steps": _at_least(0),
+    "eval.target": _at_least(0),
+    "eval.batch_size": POSITIVE,
+    "parallel.dp_shard": AUTO_OR_POSITIVE,
+    "parallel.dp_replicate": AUTO_OR_POSITIVE,
+    "parallel.timeout_s": _within(10, 7 * 24 * 3600),  # seconds; a week is longer than any job
+    "perf.warmup_iters": _at_least(0),
+    "perf.fp8_amax_history": _within(1, 1024),  # steps
+    "perf.fp8_margin": _within(0, 8),  # powers of two of headroom
+    "preflight.min_free_disk_gb": _at_least(0),
+    "preflight.min_bus_bandwidth_gbps": _at_least(0),
+    "preflight.probe_mb": POSITIVE,
+    "checkpoint.every_steps": _at_least(0),
+    "checkpoint.keep": _at_least(1),
+    "logging.log_every": POSITIVE,
+    "slurm.nodes": _at_least(1),
+    "slurm.gpus_per_node": _at_least(1),
+    "slurm.cpus_per_task": _at_least(0),
+    "slurm.mem_gb": _at_least(0),
+    "slurm.time_min": _at_least(1),
+    "slurm.signal_delay_s": POSITIVE,
+    "slurm.max_requeue": _at_least(0),
+    "env.master_port": _within(0, 65535),
+}
+
+# strings an empty value means something for; any other key given one (what an unset shell variable gives:
+# --set data.path=$DATA) is refused rather than read as unset (null unsets a key)
+MAY_BE_EMPTY = {"preflight.gpu_name", "slurm.exclude", "logging.submission_poc_name", "logging.submission_poc_email"}
+
+
+def _values(cfg: Config) -> dict[str, Any]:
+    """section.key -> value, for every key of every section."""
+    return {
+        f"{section.name}.{f.name}": getattr(getattr(cfg, section.name), f.name)
+        for section in dataclasses.fields(cfg)
+        for f in dataclasses.fields(getattr(cfg, section.name))
+    }
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
-    """Cross-field checks; world_size adds the batch divisibility check once it is known."""
+    """Ranges, empty strings and cross-field checks; world_size adds the batch divisibility check once known."""
     t, m = cfg.train, cfg.model
 
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    need(t.global_batch_size > 0, f"train.global_batch_size: must be > 0, got {t.global_batch_size}")
-    need(t.micro_batch_size > 0, f"train.micro_batch_size: must be > 0, got {t.micro_batch_size}")
-    need(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
-    need(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
-    need(t.max_steps > 0, f"train.max_steps: must be > 0, got {t.max_steps}")
+    values = _values(cfg)
+    for key, value in values.items():
+        if not isinstance(value, str):
+            continue
+        need(value.strip() or key in MAY_BE_EMPTY, f"{key}: empty; give a value, or null to leave it unset")
+        # a newline or NUL in a path splits every message naming it and fails deep in the OS calls
+        need(value.isprintable(), f"{key}: {value!r} holds a control character (a newline, a tab, NUL, ...)")
+    for key, (accepted, ok) in RANGES.items():
+        need(ok(values[key]), f"{key}: must be {accepted}, got {values[key]}")
+    need(m.num_layers + m.num_single_layers > 0, "model: num_layers + num_single_layers must be >= 1")
     need(
-        0.0 <= t.caption_dropout_prob <= 1.0,
-        f"train.caption_dropout_prob: must be in [0, 1], got {t.caption_dropout_prob}",
+        all(d > 0 and d % 2 == 0 for d in m.axes_dims_rope),
+        f"model.axes_dims_rope: every axis must be a positive even number (rotary pairs), got {m.axes_dims_rope}",
     )
-    need(m.num_attention_heads > 0 and m.attention_head_dim > 0, "model: heads and head dim must be > 0")
+    need(
+        Path(cfg.logging.mllog_file).name == cfg.logging.mllog_file and cfg.logging.mllog_file not in (".", ".."),
+        f"logging.mllog_file: a file name in logging.out_dir, not a path, got {cfg.logging.mllog_file!r}",
+    )
     need(
         sum(m.axes_dims_rope) == m.attention_head_dim,
         f"model.axes_dims_rope: must sum to attention_head_dim {m.attention_head_dim}, got {m.axes_dims_rope}",
@@ -465,28 +588,15 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         cfg.perf.fp8 != "delayed" or cfg.perf.fp8_impl == "ours",
         "perf.fp8=delayed: torchao's Float8Linear has no delayed scaling; set perf.fp8_impl=ours",
     )
-    need(
-        1 <= cfg.perf.fp8_amax_history <= 1024,
-        f"perf.fp8_amax_history: must be in 1..1024 steps, got {cfg.perf.fp8_amax_history}",
-    )
-    need(0 <= cfg.perf.fp8_margin <= 8, f"perf.fp8_margin: must be in 0..8, got {cfg.perf.fp8_margin}")
-    need(p.timeout_s >= 10, f"parallel.timeout_s: must be >= 10 seconds, got {p.timeout_s}")
-    need(
-        cfg.perf.warmup_latent_size > 0 and cfg.perf.warmup_latent_size % 2 == 0,
-        f"perf.warmup_latent_size: must be a positive even number (2x2 patches), got {cfg.perf.warmup_latent_size}",
-    )
-    need(cfg.eval.every_samples > 0, f"eval.every_samples: must be > 0, got {cfg.eval.every_samples}")
-    need(cfg.eval.every_steps >= 0, f"eval.every_steps: must be >= 0, got {cfg.eval.every_steps}")
-    need(cfg.eval.batch_size > 0, f"eval.batch_size: must be > 0, got {cfg.eval.batch_size}")
+    for key in ("perf.warmup_latent_size", "data.synthetic_latent_size"):
+        need(
+            values[key] > 0 and values[key] % 2 == 0,
+            f"{key}: must be a positive even number (2x2 patches), got {values[key]}",
+        )
     need(
         not cfg.eval.sample_prompts or cfg.eval.sample_weights,
         "eval.sample_prompts needs eval.sample_weights: a local FLUX.1-schnell folder with vae/ and the text encoders",
     )
-    need(cfg.logging.log_every > 0, f"logging.log_every: must be > 0, got {cfg.logging.log_every}")
-    need(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
-    need(cfg.slurm.nodes >= 1, f"slurm.nodes: must be >= 1, got {cfg.slurm.nodes}")
-    need(cfg.slurm.gpus_per_node >= 1, f"slurm.gpus_per_node: must be >= 1, got {cfg.slurm.gpus_per_node}")
-    need(cfg.slurm.time_min >= 1, f"slurm.time_min: must be >= 1 minute, got {cfg.slurm.time_min}")
     if world_size is not None:
         per_step = t.micro_batch_size * world_size
         need(

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
+import tarfile
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from megatron.energon import (
@@ -36,9 +38,9 @@ from dataprep.format import (
     sample_meta,
     sample_where,
 )
-from flux_train.config import Config, ConfigError, DataConfig, ModelConfig
+from flux_train.config import Config, DataConfig, ModelConfig
 from flux_train.data import DataError, DataSource, TrainStream
-from flux_train.private_apis import split_samples_to_workers
+from flux_train.private_apis import energon_shard_end, split_samples_to_workers
 
 # energon's loaders always ask for page-locked memory; on a host without a GPU torch warns that there is none
 warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found")
@@ -73,6 +75,46 @@ def collate(samples: list[dict], keys: tuple[str, ...]) -> dict:
         raise DataError(f"samples of one batch differ in shape (t5 + mean shapes per key): {shapes}") from None
 
 
+# what energon's loader raises for a shard it cannot read (a cut or garbled tar, an I/O error) or a sample our
+# cooker refuses (DataError); a loader worker's arrives with the worker's whole traceback as its message
+READ_ERRORS = (ValueError, tarfile.TarError, OSError)
+TYPE_PREFIX = re.compile(r"^(\w+\.)*\w*(Error|Exception): ")
+
+
+def read_error(path: Path, split: str, exc: Exception) -> DataError:
+    """The loader's error in one line: the worker traceback's last line; a shard it could not read is named with
+    the dataset, and the command that checks every shard."""
+    lines = str(exc).strip().splitlines()
+    last = lines[-1] if lines else ""
+    if isinstance(exc, DataError):  # ours: it names the shard and sample
+        return DataError(TYPE_PREFIX.sub("", last))
+    said = last if TYPE_PREFIX.match(last) else f"{type(exc).__name__}: {last}"
+    return DataError(
+        f"{path}: reading the {split} split failed ({said}); `python -m dataprep verify {path}` names every bad shard"
+    )
+
+
+def reading(batches: Iterable, path: Path, split: str) -> Iterator:
+    """The loader's batches, its errors as one line each (read_error)."""
+    try:
+        yield from batches
+    except READ_ERRORS as exc:
+        raise read_error(path, split, exc) from None
+
+
+def check_shards(path: Path) -> None:
+    """A shard cut short (a copy or a conversion that did not finish) is named before the run reads any, from the
+    end of its last sample in energon's index; the loader would fail on it mid-run without naming it."""
+    for tar in sorted(path.rglob("*.tar")):
+        end = energon_shard_end(tar)
+        size = tar.stat().st_size
+        if end is not None and size < end:
+            raise DataError(
+                f"{tar}: cut short ({size} bytes, its samples end at byte {end} by energon's index); copy or "
+                f"convert it again, then check the dataset with `python -m dataprep verify {path}`"
+            )
+
+
 class FluxTaskEncoder(DefaultTaskEncoder):
     decoder = None  # parts stay bytes; the cooker decodes them (as NVIDIA's recipe does)
     cookers = [Cooker(cook)]
@@ -105,11 +147,12 @@ class EnergonTrainStream(TrainStream):
             task_encoder=FluxTaskEncoder(),
         )
         self.loader = get_savable_loader(dataset)
+        self.path = path
         self._iter = None  # started by the first batch, i.e. after run_start: no data is read before it
 
     def __next__(self) -> dict:
         if self._iter is None:
-            self._iter = iter(self.loader)
+            self._iter = reading(self.loader, self.path, "train")
         return next(self._iter)
 
     def state_dict(self) -> dict:
@@ -184,7 +227,7 @@ class EnergonVal:
     def template(self) -> dict:
         """The split's first sample: the padding of short batches, and the sample the dims are checked on."""
         if self._template is None:
-            self._template = self._checked(next(iter(get_loader(self._dataset(0, 1, 0)))))
+            self._template = self._checked(next(reading(get_loader(self._dataset(0, 1, 0)), self.path, "val")))
             self._check_sample(self._template)
         return self._template
 
@@ -203,7 +246,8 @@ class EnergonVal:
         # a fresh dataset and loader per pass: energon resumes a re-iterated one where an abandoned pass stopped
         self.template()  # the dims check runs before the first forward
         pending, batches, seen = [], 0, 0
-        for sample in get_loader(self._dataset(self.rank, self.world, self.num_workers)):
+        loader = get_loader(self._dataset(self.rank, self.world, self.num_workers))
+        for sample in reading(loader, self.path, "val"):
             pending.append(self._checked(sample))
             seen += 1
             if len(pending) == self.batch:
@@ -292,15 +336,13 @@ def _fixture(cfg: Config, rank: int) -> Path:
 
 def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
     d = cfg.data
-    for key in ("num_workers", "shuffle_buffer_size", "max_samples_per_sequence"):
-        if getattr(d, key) < 0:
-            raise ConfigError(f"data.{key}: must be >= 0, got {getattr(d, key)}")
     path = Path(d.path) if d.path else _fixture(cfg, rank)
     if not (path / ".nv-meta" / "dataset.yaml").is_file():
         raise DataError(
             f"{path}: not a prepared energon dataset (no .nv-meta/dataset.yaml); run "
             f"`python -m dataprep prepare {path}`"
         )
+    check_shards(path)
     empty_dir = Path(d.empty_encodings) if d.empty_encodings else path / "empty_encodings"
     try:
         empty_t5, empty_clip = load_empty_encodings(empty_dir)
@@ -308,6 +350,15 @@ def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
     except FormatError as exc:
         raise DataError(str(exc)) from None
     dims = DimsCheck(path, info, empty_t5, empty_clip, cfg.model, empty_dir)
-    val = EnergonVal(path, rank, world, cfg.eval.batch_size, d.num_workers, check_sample=dims)
-    train = EnergonTrainStream(path, rank, world, cfg.train.micro_batch_size, d, cfg.train.seed)
+    try:
+        val = EnergonVal(path, rank, world, cfg.eval.batch_size, d.num_workers, check_sample=dims)
+        train = EnergonTrainStream(path, rank, world, cfg.train.micro_batch_size, d, cfg.train.seed)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - energon reports garbled metadata (.nv-meta) with many exception types
+        said = " ".join(str(exc).split())[:300]
+        raise DataError(
+            f"{path}: energon cannot open it ({type(exc).__name__}: {said}); rewrite its metadata with "
+            f"`python -m dataprep prepare {path}`"
+        ) from None
     return DataSource(train, val, empty_t5, empty_clip, val.size)

@@ -1,23 +1,42 @@
-"""Errors that name a bad input, and the one way every command reports them: one line on stderr, exit 2."""
+"""Errors that name a bad input or a file that cannot be written, and the one way every command reports them: one
+line on stderr, exit 2 (bad input) or 74 (storage)."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 EXIT_BAD_INPUT = 2
+EXIT_STORAGE = 74  # EX_IOERR: a file the run must write could not be written (a full disk, a quota, a lost mount)
 
 
 class UserError(Exception):
     """A bad input (a config value, a path, the data, a node); the message names it and the fix."""
 
     label = "error"  # the line starts "<label>: "
+    exit_code = EXIT_BAD_INPUT
+
+
+class StorageError(UserError):
+    """A file the run must write could not be written; the message names the file (the trainer adds the last good
+    checkpoint). Not a bad input: the same command succeeds once there is room again."""
+
+    label = "fatal"
+    exit_code = EXIT_STORAGE
+
+
+def raise_on_every_rank(error: UserError, is_main: bool) -> NoReturn:
+    """An error every rank of a run has found alike: the main rank reports it (one line for the run, not one per
+    rank), the others exit with its code and say nothing."""
+    if is_main:
+        raise error
+    raise SystemExit(error.exit_code)
 
 
 def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
-    """Wrap a command's main(argv): a UserError becomes '<label>: <message>' on stderr and exit code 2."""
+    """Wrap a command's main(argv): a UserError becomes '<label>: <message>' on stderr and its exit code."""
 
     @functools.wraps(main)
     def wrapped(argv=None) -> int:
@@ -25,7 +44,7 @@ def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
             return main(argv)
         except UserError as exc:
             print(f"{exc.label}: {exc}" if exc.label else str(exc), file=sys.stderr, flush=True)
-            return EXIT_BAD_INPUT
+            return exc.exit_code
 
     return wrapped
 

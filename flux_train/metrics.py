@@ -9,6 +9,9 @@ from pathlib import Path
 
 import torch
 
+from flux_train.errors import StorageError
+from flux_train.report import METRICS_FILE
+
 # dense bf16 peak per GPU, for MFU; the bench measures the achievable ceiling itself
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "MI300X": 1307.0, "MI325X": 1307.0, "MI355X": 2500.0}
 
@@ -41,8 +44,10 @@ class Metrics:
         self._t0 = time.perf_counter()
         self._samples = 0
         self._data_wait = 0.0
-        # a resumed run continues the file; a fresh one replaces it
-        self.jsonl = (out_dir / "metrics.jsonl").open("a" if append else "w") if enabled else None
+        # a resumed run continues the file (cut back to its checkpoint by run_folder.claim); a fresh one replaces it
+        self.path = out_dir / METRICS_FILE
+        # unbuffered: a row that cannot be written fails here, not again when the file is closed at exit
+        self.jsonl = self._written(lambda: self.path.open("ab" if append else "wb", buffering=0)) if enabled else None
         self.tb = None
         if enabled and tensorboard:
             try:
@@ -99,12 +104,24 @@ class Metrics:
             self.bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}")
         else:
             print(text, flush=True)
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+
+        def write() -> None:
+            data = (json.dumps(row) + "\n").encode()
+            while data:  # a write the disk cuts short returns less: the next one raises
+                data = data[self.jsonl.write(data) :]
+
+        self._written(write)
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, row["step"])
+
+    def _written(self, write):
+        """A row the run cannot write (a full disk) stops it, naming the file: a lost row is not found later."""
+        try:
+            return write()
+        except OSError as exc:
+            raise StorageError(f"writing {self.path} failed ({exc})") from None
 
     def close(self) -> None:
         if self.bar is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import sys
 from pathlib import Path
@@ -10,8 +12,42 @@ from mlperf_logging.mllog import constants as C
 from mlperf_logging.mllog.mllog import MLLogger as _MLPerfLogger
 
 from flux_train.config import EVAL_SAMPLES, TRAIN_SAMPLES, Config, accumulation_steps
+from flux_train.errors import StorageError
 
 EVALUATION_FREQUENCY = "evaluation_frequency"  # no constant in mlperf_logging; the reference logs the literal
+TOKEN = ":::MLLOG"
+
+
+def parse(line: str) -> dict | None:
+    """The record of one MLLOG line (text before the token, e.g. a rank prefix, is ignored, as the checkers do);
+    None for any other line, or one cut short."""
+    if TOKEN not in line:
+        return None
+    with contextlib.suppress(json.JSONDecodeError):
+        record = json.loads(line.split(TOKEN, 1)[1])
+        return record if isinstance(record, dict) else None
+    return None
+
+
+def read_records(path: Path) -> list[dict]:
+    """The MLLOG records of a log file ([] when there is none)."""
+    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    return [r for r in map(parse, text.splitlines()) if r is not None]
+
+
+def samples_count(record: dict) -> int:
+    """The samples a record counts (0 for those that count none: the ones before training)."""
+    metadata = record.get("metadata")
+    count = metadata.get("samples_count") if isinstance(metadata, dict) else None
+    return count if isinstance(count, int) else 0
+
+
+class _RaisingFileHandler(logging.FileHandler):
+    """A write that fails (a full disk) raises, where logging's own handler prints a traceback and goes on without
+    the record: a run whose MLLOG lost a line has no valid log."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        raise  # called from within emit's except block: re-raises the write's error
 
 
 class MLLogger:
@@ -19,34 +55,51 @@ class MLLogger:
     recipes print it in their Slurm logs)."""
 
     def __init__(self, path: Path, enabled: bool, append: bool = False, stdout: bool = False):
-        """`append` keeps an earlier log (a resumed run); a fresh run starts a fresh file."""
-        self.enabled = enabled
-        if enabled:
+        """A fresh run starts a fresh file. A resumed one (`append`: its log already cut back to its checkpoint by
+        run_folder.claim) continues it (`continued`), unless it holds no run_start: then it starts afresh."""
+        self.enabled, self.path = enabled, path
+        self.continued = self.in_block = False
+        if not enabled:
+            return
+        try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            if not append:
+            kept = read_records(path) if append else []
+            self.continued = any(r.get("key") == C.RUN_START for r in kept)
+            if not self.continued:
                 path.unlink(missing_ok=True)
-            logger = logging.getLogger("flux_train.mllog")  # ours, not mlperf-logging's (which prints to stdout)
-            logger.setLevel(logging.INFO)
-            logger.propagate = False
-            for old in list(logger.handlers):  # an earlier run in this process
-                logger.removeHandler(old)
-                old.close()
-            logger.addHandler(logging.FileHandler(path))
-            if stdout:
-                logger.addHandler(logging.StreamHandler(sys.stdout))
-            self._log = _MLPerfLogger(logger, default_stack_offset=2)
+            blocks = [r["key"] for r in kept if r.get("key") in (C.BLOCK_START, C.BLOCK_STOP)]
+            self.in_block = bool(blocks) and blocks[-1] == C.BLOCK_START  # the checkpoint was saved within a block
+            handler = _RaisingFileHandler(path)
+        except OSError as exc:
+            raise StorageError(f"writing {path} failed ({exc})") from None
+        logger = logging.getLogger("flux_train.mllog")  # ours, not mlperf-logging's (which prints to stdout)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        for old in list(logger.handlers):  # an earlier run in this process
+            logger.removeHandler(old)
+            old.close()
+        logger.addHandler(handler)
+        if stdout:
+            logger.addHandler(logging.StreamHandler(sys.stdout))
+        self._log = _MLPerfLogger(logger, default_stack_offset=3)  # 3: the caller of event/start/end, past _write
+
+    def _write(self, method, key: str, value, metadata: dict) -> None:
+        try:
+            method(key=key, value=value, metadata=metadata or None)
+        except OSError as exc:
+            raise StorageError(f"writing {self.path} failed ({exc})") from None
 
     def event(self, key: str, value=None, **metadata) -> None:
         if self.enabled:
-            self._log.event(key=key, value=value, metadata=metadata or None)
+            self._write(self._log.event, key, value, metadata)
 
     def start(self, key: str, value=None, **metadata) -> None:
         if self.enabled:
-            self._log.start(key=key, value=value, metadata=metadata or None)
+            self._write(self._log.start, key, value, metadata)
 
     def end(self, key: str, value=None, **metadata) -> None:
         if self.enabled:
-            self._log.end(key=key, value=value, metadata=metadata or None)
+            self._write(self._log.end, key, value, metadata)
 
     def run_parameters(self, cfg: Config, world_size: int) -> None:
         """Everything the checker wants before run_start, with init_start last."""
@@ -82,10 +135,14 @@ class MLLogger:
     # the training loop's events, in one place
 
     def block_start(self, samples: int) -> None:
-        self.start(C.BLOCK_START, samples_count=samples)
+        """Opens a block, unless one is open: a run resumed from a checkpoint saved within a block continues it."""
+        if not self.in_block:
+            self.start(C.BLOCK_START, samples_count=samples)
+        self.in_block = True
 
     def block_stop(self, samples: int) -> None:
         self.end(C.BLOCK_STOP, samples_count=samples)
+        self.in_block = False
 
     def eval_start(self, samples: int) -> None:
         self.start(C.EVAL_START, samples_count=samples)

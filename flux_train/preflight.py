@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,6 +63,9 @@ def node_problems(cfg: Config, device: torch.device, gpus_per_node: int) -> list
                 f"{free_gb:.0f} GB free for the {what} folder {folder}, preflight.min_free_disk_gb is "
                 f"{p.min_free_disk_gb:g}"
             )
+        unwritable = not_writable(Path(folder))
+        if unwritable:
+            problems.append(f"the {what} folder {folder} is not writable here ({unwritable})")
     if cfg.data.source == "energon" and cfg.data.path:
         root = Path(cfg.data.path)
         if not (root / ".nv-meta" / "dataset.yaml").is_file():
@@ -71,6 +75,18 @@ def node_problems(cfg: Config, device: torch.device, gpus_per_node: int) -> list
             if missing:
                 problems.append(f"dataset {root} has no {' or '.join(missing)}/ split")
     return problems
+
+
+def not_writable(folder: Path) -> str | None:
+    """Why this node cannot write into `folder` (None: it can): found by writing, since permission bits do not
+    tell (a read-only mount, root squashed on NFS, a quota); the folder is created as the run would."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".preflight-"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def bus_bandwidth(device: torch.device, size_mb: int, iters: int = 5) -> tuple[float, float]:

@@ -7,6 +7,9 @@ breaks here, and the tests named beside each fail first.
 - megatron-energon 7.3-7.x (<8): `Sharder.split_samples_to_workers`, energon's split of a split's samples over
   the global workers, so that validation counts every sample once on any rank count. Tests:
   tests/test_data_energon.py.
+- megatron-energon 7.x: the `<shard>.tar.idx` files its `prepare` writes beside each shard (uint64 byte offsets of
+  the samples, then the end of the last), so that a shard cut short is named before the run reads it. Tests:
+  tests/test_data_energon.py.
 - mlperf-logging 4.1 (<5): the compliance checker's `make_checker` and its module-level `enqueued_configs`,
   the checker object's message dictionaries, `rcp_checker.check_directory` and the RCP table beside it. The
   package's public interface is its command line, which prints and exits; `results` needs the verdicts keyed
@@ -16,6 +19,7 @@ breaks here, and the tests named beside each fail first.
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +39,15 @@ def split_samples_to_workers(total: int, workers: int) -> list[int]:
         int(o)
         for o in Sharder.split_samples_to_workers(0, total, WorkerConfig(rank=0, world_size=1, num_workers=workers))
     ]
+
+
+def energon_shard_end(tar: Path) -> int | None:
+    """The byte where the last sample of a shard ends, from energon's index beside it; None without one."""
+    index = tar.with_name(tar.name + ".idx")
+    if not index.is_file():
+        return None
+    data = index.read_bytes()
+    return struct.unpack("Q", data[-8:])[0] if len(data) >= 8 else None  # "Q": as energon packs them
 
 
 @dataclass

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import re
 import shutil
 import statistics
@@ -26,6 +27,7 @@ from mlperf_logging.benchmark_meta import get_result_file_counts
 
 from flux_train.config import TARGET_VAL_LOSS
 from flux_train.errors import Parser, UserError, reports_user_errors
+from flux_train.mllog import read_records
 from flux_train.private_apis import compliance_check, rcp_batch_sizes, rcp_check
 from flux_train.report import draw_val_loss
 
@@ -33,7 +35,6 @@ USAGE, RULESET, BENCHMARK = "training", "6.0.0", "flux1"
 RUNS_PER_SCORE = get_result_file_counts(USAGE)[BENCHMARK]  # 10
 NOT_CONVERGED = 1e9  # samples the RCP checker counts for a run that did not succeed
 MLLOG_FILE = "mllog.log"
-TOKEN = ":::MLLOG"
 PLOT_FILE = "val_loss.png"
 
 
@@ -119,12 +120,7 @@ def read_events(log: Path) -> list[dict]:
     """MLLOG records of a log; text before ':::MLLOG' (a rank prefix) is ignored, as the checkers do."""
     if not log.is_file():
         raise UnreadableLog(f"not a log file, nor a folder with {MLLOG_FILE} or result_*.txt")
-    events = []
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-        if TOKEN in line:
-            # a line cut short by a crash is skipped here; the compliance checker reports it
-            with contextlib.suppress(json.JSONDecodeError):
-                events.append(json.loads(line.split(TOKEN, 1)[1]))
+    events = read_records(log)  # a line cut short by a crash is skipped here; the compliance checker reports it
     if not events:
         raise UnreadableLog("no MLLOG lines")
     return events
@@ -137,17 +133,41 @@ def summarize_run(name: str, log: Path) -> Run:
     except (OSError, UnreadableLog) as exc:
         run.error = str(exc)
         return run
-    except (KeyError, TypeError, AttributeError) as exc:  # a record without key/time_ms, or not a dict
-        run.error = f"malformed MLLOG record ({type(exc).__name__}: {exc})"
-        return run
     run.compliance = check_compliance(log)
     return run
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def malformed(record: dict) -> str | None:
+    """What in a record would stop the summary (a value of the wrong type, as a hand-edited log may hold)."""
+    meta = record.get("metadata", {})
+    if not isinstance(record.get("key"), str):
+        return "no key"
+    if not _number(record.get("time_ms")):
+        return f"time_ms {record.get('time_ms')!r} is not a number"
+    if not isinstance(meta, dict):
+        return f"metadata {meta!r} is not a mapping"
+    count = meta.get("samples_count")
+    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
+        return f"samples_count {count!r} is not a count"
+    value = record.get("value")
+    if record["key"] == "eval_accuracy" and not _number(value):
+        return f"value {value!r} is not a number"
+    if record["key"] == "global_batch_size" and not (isinstance(value, int) and not isinstance(value, bool)):
+        return f"value {value!r} is not a whole number"
+    return None
 
 
 def _fill(run: Run, events: list[dict]) -> None:
     """Time-to-train, status, evals and samples to converge, read up to the first run_stop."""
     start = stop = None
-    for e in events:
+    for n, e in enumerate(events, 1):
+        problem = malformed(e)
+        if problem:
+            raise UnreadableLog(f"MLLOG record {n} ({e.get('key', '?')}): {problem}")
         key, meta = e["key"], e.get("metadata") or {}
         if key == "global_batch_size":
             run.global_batch_size = e["value"]

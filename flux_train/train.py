@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from flux_train import checkpoint, flow, preemption, preflight
+from flux_train import checkpoint, flow, preemption, preflight, run_folder
 from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
 from flux_train.data import DataError, DataSource, build_synthetic, synthetic_samples
 from flux_train.diffusers_adapter import load_pretrained
-from flux_train.errors import Parser, reports_user_errors
+from flux_train.errors import Parser, StorageError, reports_user_errors
 from flux_train.evaluate import evaluate
 from flux_train.heartbeat import Heartbeat, stragglers
 from flux_train.kernels.fp8 import FP8Scaling
@@ -34,7 +34,7 @@ from flux_train.model import build_model, check_weights, count_params, flops_per
 from flux_train.optim import lr_at
 from flux_train.parallel import all_reduce_sum, build_training, checkpoint_blocks, init_distributed, shutdown
 from flux_train.perf import CudaGraph, apply_fp8, compile_blocks, select_attention_backend
-from flux_train.report import write_report
+from flux_train.report import REPORT_FILE, write_report
 from flux_train.sample import Sampler, gathered_weights
 
 # blocks return slices of their joint sequence; we never modify them in place, which this FSDP2 warning is about
@@ -99,13 +99,19 @@ class Trainer:
             preflight.run(
                 cfg, self.dist.device, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             )
-        self.resume_from = checkpoint.resolve_resume(cfg)
+        # the main rank owns the run folder from here on (a second run there is refused), and chooses for every
+        # rank the checkpoint to resume from
+        self.folder = run_folder.claim(cfg, self.dist.rank, self.dist.world_size)
+        self.resume_from = self.folder.resume_from
         self._check_before_init()
         # from here on every rank says where it is (a bad input above has ended the run without a thread)
         self.heartbeat = Heartbeat(self.out_dir / "heartbeats", self.dist.rank)
         if self.dist.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            config_file = self.out_dir / "config.yaml"
+            try:
+                config_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            except OSError as exc:
+                raise StorageError(f"writing {config_file} failed ({exc})") from None
         self.checkpointer = checkpoint.Checkpointer(
             checkpoint.checkpoint_dir(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.checkpoint.every_steps
         )
@@ -116,7 +122,7 @@ class Trainer:
             append=self.resume_from is not None,
             stdout=cfg.logging.mllog_stdout,
         )
-        if self.resume_from is None:
+        if not self.mllog.continued:
             self.mllog.run_parameters(cfg, self.dist.world_size)
             self.mllog.start(C.INIT_START)
 
@@ -164,18 +170,15 @@ class Trainer:
         self.step, self.eval_count = progress["step"], progress["eval_count"]
         self.data.train.load_state_dict(loader_state)
         if self.fp8 is not None and "fp8" in progress:  # else (no FP8 before): the history starts empty
-            self.fp8.load_state_dict(progress["fp8"])
+            try:
+                self.fp8.load_state_dict(progress["fp8"])
+            except ValueError as exc:  # another history length or set of FP8 layers: the scales start over
+                self._say(f"the checkpoint's FP8 scales do not fit this run ({exc}); they start from no history")
         self._say(f"resumed from {self.resume_from} at step {self.step}")
 
     def _check_before_init(self) -> None:
         """Inputs that would otherwise fail after init_start, or after minutes of building: one line each."""
         cfg = self.cfg
-        log = self.out_dir / cfg.logging.mllog_file
-        if self.resume_from is not None and log.is_file() and '"key": "run_stop"' in log.read_text():
-            raise ConfigError(
-                f"{self.out_dir} holds a finished run (run_stop in {log.name}); choose a new "
-                "logging.out_dir, or set checkpoint.resume=none to start over in this one"
-            )
         if cfg.data.source == "energon" and cfg.data.path and not Path(cfg.data.path).is_dir():
             raise ConfigError(
                 f"data.path {cfg.data.path} does not exist here; point it at the prepared dataset "
@@ -195,9 +198,8 @@ class Trainer:
         progress = {
             "step": self.step,
             "eval_count": self.eval_count,
-            "world_size": self.dist.world_size,
             "samples": self.step * self.cfg.train.global_batch_size,
-            "strategy": self.training.strategy,
+            **checkpoint.resume_settings(self.cfg, self.dist.world_size),
         }
         if self.fp8 is not None:
             progress["fp8"] = self.fp8.state_dict()
@@ -368,13 +370,30 @@ class Trainer:
             weights = gathered_weights(self.model)  # collective: the full weights on rank 0
             if self.sampler is not None:
                 path = self.out_dir / "samples" / f"step_{self.step:08d}.png"
-                path.parent.mkdir(exist_ok=True)
-                self.sampler.grid(weights).save(path)
-                self._say(f"samples of step {self.step}: {path}")
+
+                def draw() -> None:
+                    path.parent.mkdir(exist_ok=True)
+                    self.sampler.grid(weights).save(path)
+
+                if self._best_effort(path, draw):
+                    self._say(f"samples of step {self.step}: {path}")
 
     def _report(self) -> None:
         if self.dist.is_main:
-            write_report(self.out_dir, self.cfg.train.global_batch_size, self.cfg.eval.target)
+            self._best_effort(
+                self.out_dir / REPORT_FILE,
+                lambda: write_report(self.out_dir, self.cfg.train.global_batch_size, self.cfg.eval.target),
+            )
+
+    @staticmethod
+    def _best_effort(path: Path, write) -> bool:
+        """Pictures for people (the report, sample grids): a failed write (a full disk) is a warning, training goes on."""
+        try:
+            write()
+            return True
+        except OSError as exc:
+            print(f"flux-train: warning: could not write {path} ({exc}); training goes on", file=sys.stderr, flush=True)
+            return False
 
     def _install_stop_signal(self) -> None:
         # Slurm's warning signal asks for a checkpoint at the next logging boundary (flux_train.preemption)
@@ -401,7 +420,7 @@ class Trainer:
         self.warm_up(cfg.perf.warmup_iters)
         if self.resume_from is not None:
             self._resume()
-        if self.resume_from is None:
+        if not self.mllog.continued:
             self.mllog.end(C.INIT_STOP)
             self.mllog.start(C.RUN_START)
         metrics = Metrics(
@@ -459,19 +478,22 @@ class Trainer:
                 grad_norm=float(grad_norm),
                 **({"fp8_overflows": int(self.fp8.overflows)} if self.fp8 is not None else {}),
             )
-            if stop:
-                self.mllog.block_stop(samples)
-                self.save_checkpoint()
-                return Status.PREEMPTED
-            if eval_due:
+            if eval_due:  # before a stop: a checkpoint of this step stands for its eval having run
                 self.mllog.block_stop(samples)
                 val_loss = self.run_eval()
                 metrics.emit({"step": self.step, "samples": samples, "val_loss": val_loss})
                 if val_loss <= cfg.eval.target:
                     return Status.SUCCESS
                 self._after_eval()
+                if stop:
+                    self.save_checkpoint()
+                    return Status.PREEMPTED
                 self.mllog.block_start(samples)
                 metrics.reset_window()
+            if stop:
+                self.mllog.block_stop(samples)
+                self.save_checkpoint()
+                return Status.PREEMPTED
             if checkpoint_due:
                 self.save_checkpoint()
         self.mllog.block_stop(self.step * t.global_batch_size)
@@ -480,15 +502,9 @@ class Trainer:
     def _diverged(self, first_bad: int) -> Status:
         at = f"at step {first_bad}" if first_bad > 0 else f"in the steps up to {self.step}"
         self.checkpointer.wait()
-        last = checkpoint.list_checkpoints(self.checkpointer.root)
-        where = (
-            f"the last good checkpoint is {last[-1]} (checkpoint.resume=auto picks it up)"
-            if last
-            else "no checkpoint was written before it"
-        )
         self._say(
-            f"stopped: the loss or gradient norm was not finite {at}; {where}. Lower train.lr, lengthen "
-            "train.warmup_steps or look at the data of that step before resuming"
+            f"stopped: the loss or gradient norm was not finite {at}; {checkpoint.last_good(self.checkpointer.root)}. "
+            "Lower train.lr, lengthen train.warmup_steps or look at the data of that step before resuming"
         )
         return Status.DIVERGED
 
@@ -542,6 +558,8 @@ def main(argv=None) -> int:
             return 0
         trainer = Trainer(cfg)
         status = trainer.run()
+    except StorageError as exc:  # a file the run must write could not be written: say where to resume from
+        raise StorageError(f"{exc}; {checkpoint.last_good(checkpoint.checkpoint_dir(cfg))}") from None
     except RuntimeError as exc:  # out of memory; a collective failed or timed out (gloo says "Timed out")
         oom = out_of_memory_line(exc, dist.get_rank() if dist.is_initialized() else 0)
         if oom:

@@ -101,7 +101,7 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
             checkpoint.Checkpointer(root, keep=5).save(6, training, {}, {"step": 6, "eval_count": 0, "world_size": 1})
         monkeypatch.undo()
         assert (root / "step_00000006.tmp").is_dir()
-        latest = checkpoint.resolve_resume(cfg)
+        latest = checkpoint.resolve_resume(cfg, 1)
         assert latest.name == "step_00000004"
         progress, loader = checkpoint.load(latest, training)
         assert progress["step"] == 4 and loader == {"consumed": 4}

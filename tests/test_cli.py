@@ -148,7 +148,7 @@ BAD_INPUTS = [
         "train-resume-from-nothing",
         TRAIN,
         [*DEBUG, "--set", "checkpoint.resume={tmp}/empty"],
-        "checkpoint.resume={tmp}/empty: not a complete checkpoint",
+        "checkpoint.resume={tmp}/empty: cannot resume from it: progress.pt is unreadable",
     ),
     (
         "train-no-dataset",

@@ -103,3 +103,71 @@ def test_recipes_match_reference_table():
 def test_layout_and_graph_combinations_that_cannot_work_are_refused(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, "c.yaml", "{}\n"), overrides)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("data.path=", "data.path: empty; give a value, or null to leave it unset"),  # an unset $DATA
+        ("logging.out_dir=", "logging.out_dir: empty; give a value, or null to leave it unset"),
+        ("checkpoint.dir= ", "checkpoint.dir: empty; give a value, or null to leave it unset"),
+        ("logging.mllog_file=logs/mllog.log", "logging.mllog_file: a file name in logging.out_dir, not a path, got"),
+        ("train.lr=1e309", "train.lr: expected a finite number, got inf"),
+        (f"train.lr={'9' * 400}", "train.lr: expected a finite number, got inf"),
+        ("eval.target=.nan", "eval.target: expected a finite number, got nan"),
+        ("train.adam_eps=-.inf", "train.adam_eps: expected a finite number, got -inf"),
+        ("model.num_layers=-1", "model.num_layers: must be >= 0, got -1"),
+        ("train.seed=-5", "train.seed: must be in [0, 4294967295], got -5"),
+        ("train.seed=99999999999", "train.seed: must be in [0, 4294967295], got 99999999999"),
+        ("parallel.timeout_s=0", "parallel.timeout_s: must be in [10, 604800], got 0"),
+        ("parallel.dp_shard=0", "parallel.dp_shard: must be -1 (auto) or >= 1, got 0"),
+        ("train.adam_beta2=1.0", "train.adam_beta2: must be in [0, 1), got 1.0"),
+        ("env.master_port=70000", "env.master_port: must be in [0, 65535], got 70000"),
+        ("data.num_workers=-2", "data.num_workers: must be >= 0, got -2"),
+        ("model.axes_dims_rope=[2, 7, 7]", "model.axes_dims_rope: every axis must be a positive even number"),
+        ("train.lr=*x", "--set 'train.lr=*x': line 1: an alias (*name); write the value out instead"),
+        ('logging.out_dir="/tmp/a\\nb"', "logging.out_dir: '/tmp/a\\nb' holds a control character"),
+    ],
+)
+def test_empty_and_nonsensical_values_are_refused_in_one_line_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/debug.yaml", [override])
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+def test_an_unset_shell_variable_as_the_data_path_ends_the_run_in_one_line(capsys):
+    """`--set data.path=$DATA` with DATA unset: not the debug fixture, not a traceback; exit 2 (reports_user_errors)."""
+    from flux_train.train import main
+
+    assert main(["--config", "configs/systems/H200_08x08.yaml", "--set", "data.path="]) == 2
+    assert capsys.readouterr().err == "config error: data.path: empty; give a value, or null to leave it unset\n"
+
+
+def billion_laughs() -> str:
+    """Nine levels of nine aliases each: 342 bytes that name 9**9 (387 million) strings."""
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"{name}: &{name} [{','.join(['*' + prev] * 9)}]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"train: {lr: 1.0e-3}\n# caf\xe9\n", "not UTF-8 text (byte 25); save it as UTF-8"),
+        (billion_laughs().encode(), "line 2: an alias (*name); write the value out instead"),
+        (b"defaults: {model: flux-debug}\n", "defaults: expected a list of config names, e.g. [model/flux-debug], got"),
+        (b"defaults: [model/flux-debug, [x]]\n", "defaults: expected a list of config names"),
+        (b"train: {lr: [1,\n", "not valid YAML: while parsing a flow node expected the node content"),
+    ],
+)
+def test_a_config_file_that_is_not_a_config_is_refused_in_one_line_fast(tmp_path, content, message):
+    import time
+
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert time.perf_counter() - t0 < 5
+    assert str(err.value).startswith(f"{path}: {message}") and "\n" not in str(err.value), str(err.value)

@@ -2,10 +2,12 @@
 order and exact resume, the val pass's exact coverage on any number of ranks, the empty encodings."""
 
 import io
+import os
 import json
 import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
 from pathlib import Path
 
@@ -29,7 +31,8 @@ from dataprep.format import (
 from flux_train.config import DataConfig, load_config
 from flux_train.data import DataError
 from flux_train.energon_data import EnergonTrainStream, EnergonVal, build_energon, cook, val_counts
-from run_outputs import column, train
+from flux_train.private_apis import energon_shard_end
+from run_outputs import column, set_flags, train
 
 SPEC = FixtureSpec(train=24, val=13, text_len=4, height=2, width=2, seed=3, samples_per_shard=5)
 
@@ -280,3 +283,72 @@ def test_two_rank_training_reads_an_uneven_fixture_through_energon(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(column(tmp_path, "val_loss")) == 2
     assert list((tmp_path / "fixture").glob("*/.nv-meta/dataset.yaml"))  # the fixture it wrote and read
+
+
+# ------------------------------------------------------------------ bad shards
+
+
+def test_a_shard_cut_short_is_named_before_anything_reads_it(dataset, tmp_path):
+    copy = shutil.copytree(dataset, tmp_path / "ds")
+    shard = copy / "train" / "shard_000001.tar"
+    end = energon_shard_end(shard)
+    os.truncate(shard, end - 100)
+    with pytest.raises(DataError) as exc:
+        build_energon(energon_config(copy), 0, 1)
+    assert str(exc.value) == (
+        f"{shard}: cut short ({end - 100} bytes, its samples end at byte {end} by energon's index); copy or "
+        f"convert it again, then check the dataset with `python -m dataprep verify {copy}`"
+    )
+
+
+def test_a_garbled_tar_header_is_one_line_naming_the_shard(dataset, tmp_path):
+    copy = shutil.copytree(dataset, tmp_path / "ds")
+    with tarfile.open(copy / "train" / "shard_000002.tar") as tar:
+        offset = [m for m in tar][5].offset  # the second sample's first header
+    with open(copy / "train" / "shard_000002.tar", "r+b") as f:
+        f.seek(offset)
+        f.write(os.urandom(512))
+    train = stream(copy, micro=4)
+    with pytest.raises(DataError) as exc:
+        for _ in range(20):
+            next(train)
+    assert str(exc.value) == (
+        f"{copy}: reading the train split failed (ValueError: Unexpected end of tar file: train/shard_000002.tar); "
+        f"`python -m dataprep verify {copy}` names every bad shard"
+    )
+
+
+@pytest.mark.slow
+def test_a_garbled_sample_read_by_a_loader_worker_ends_the_run_in_one_line(dataset, tmp_path):
+    """The worker's error reaches the trainer with the worker's whole traceback as its message: one line of it."""
+    copy = shutil.copytree(dataset, tmp_path / "ds")
+    shard = copy / "train" / "shard_000001.tar"
+    with tarfile.open(shard) as tar:
+        member = next(m for m in tar if m.name.endswith(".t5.bytes"))
+    with open(shard, "r+b") as f:
+        f.seek(member.offset_data)
+        f.write(b"garbage!" * 4)
+    proc = train(
+        tmp_path / "run",
+        *set_flags({"data.path": copy, "data.num_workers": 1, "train.max_steps": 6, "eval.enabled": "false"}),
+        timeout=300,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"data error: train/shard_000001.tar: sample {member.name.split('.')[0]}: t5.bytes: ")
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("empty_encodings/t5_empty.npy", "{copy}/empty_encodings/t5_empty.npy: not a readable .npy file ("),
+        (".nv-meta/split.yaml", "{copy}: energon cannot open it (JsonValueError: "),
+    ],
+)
+def test_garbled_metadata_or_empty_encodings_are_one_line_naming_them(dataset, tmp_path, damage, message):
+    copy = shutil.copytree(dataset, tmp_path / "ds")
+    (copy / damage).write_text("split_parts: 5\n")
+    with pytest.raises(DataError) as exc:
+        build_energon(energon_config(copy), 0, 1)
+    assert str(exc.value).startswith(message.format(copy=copy)), str(exc.value)
+    assert "\n" not in str(exc.value)

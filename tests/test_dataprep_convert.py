@@ -258,3 +258,41 @@ def test_prepare_refuses_nvidia_duplicate_keys_with_guidance_and_reads_their_tar
         for sample, row in zip(samples, rows[split]):
             assert encode_bf16(sample["t5"]) == row["parts"]["t5"]
             assert int(sample.get("timestep", -1)) == (row["timestep"] if split == "val" else -1)
+
+
+def test_a_second_writer_of_an_output_folder_is_refused_naming_the_holder(tmp_path):
+    """This process holds --out's lock, as a running convert does: another convert into it stops before writing
+    anything (two converts writing one folder at once left shards of zeros)."""
+    import socket
+
+    from dataprep.folder_lock import lock_folder
+
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "dataprep", "convert", "--train", str(tmp_path / "in"), "--out", str(out)]
+    with lock_folder(out, "--out"):
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert line.startswith(f"error: --out {out} is in use by host {socket.gethostname()} pid {os.getpid()} since ")
+    assert line.endswith("; wait for it to end, or choose another --out") and "\n" not in line
+    assert [p.name for p in out.iterdir()] == [".lock"]
+
+
+def test_a_full_disk_while_writing_a_shard_is_one_line_naming_it(tmp_path):
+    """The shard's partial file is a link to /dev/full, whose writes fail as a full disk's do (ENOSPC)."""
+    from dataprep.format import tar_sample
+    from dataprep.shards import ShardPlan, SplitWriter
+
+    writer = SplitWriter(tmp_path, "train")
+    writer.start({"input": "test"})
+    partial = writer.dir / "shard_000000.tar.partial"
+    partial.symlink_to("/dev/full")
+    sample = next(fixture_samples(SPEC, "train"))
+    with pytest.raises(DataprepError) as exc:
+        writer.write(ShardPlan(0, 0, 1), [tar_sample(0, sample["key"], sample["parts"], None)], [])
+    assert str(exc.value) == (
+        f"{writer.dir / 'shard_000000.tar'}: writing it failed (No space left on device); make room and rerun the "
+        "same command (finished shards are kept)"
+    )
+    assert not partial.is_symlink() and not (writer.dir / "shard_000000.tar").exists()
+    assert writer.finished(ShardPlan(0, 0, 1)) is None  # the rerun writes it

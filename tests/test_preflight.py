@@ -60,3 +60,19 @@ def test_node_checks_name_disk_and_dataset_problems(tmp_path):
     assert any("free for the checkpoint folder" in p for p in problems)
     assert any("free for the log folder" in p for p in problems)
     assert any(p.endswith("has no val/ split") for p in problems)
+
+
+def test_node_checks_name_a_folder_this_node_cannot_write(tmp_path):
+    """A checkpoint folder under a regular file stands in for a read-only mount (permission bits do not stop root,
+    and the check writes rather than reads them)."""
+    import torch
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = load_config(
+        "configs/debug.yaml",
+        [f"logging.out_dir={tmp_path / 'run'}", f"checkpoint.dir={blocker / 'checkpoints'}", "data.source=synthetic"],
+    )
+    problems = preflight.node_problems(cfg, torch.device("cpu"), 1)
+    assert problems == [f"the checkpoint folder {blocker / 'checkpoints'} is not writable here (Not a directory)"]
+    assert not list((tmp_path / "run").iterdir())  # the probe leaves nothing behind
