@@ -10,6 +10,7 @@ import torch
 from flux_train import checkpoint
 from flux_train.config import load_config
 from flux_train.diffusers_adapter import diffusers_inputs
+from flux_train.kernels import RMSNorm
 from flux_train.results import read_events
 from flux_train.preemption import EXIT_CODE as EXIT_PREEMPTED
 from run_outputs import column, losses, train, train_command
@@ -158,6 +159,9 @@ def test_export_loads_with_diffusers_from_pretrained_and_reproduces_our_output(t
     checkpoint.dcp.load(state, checkpoint_id=str(out / "checkpoints" / "step_00000003"), no_dist=True)
     ours.load_state_dict(state["model"])
     ours.double()
+    for norm in ours.modules():  # diffusers' Q/K norms take eps 1e-6 (ours the dtype's machine epsilon, as the
+        if isinstance(norm, RMSNorm):  # reference's): the comparison is of the exported weights
+            norm.eps = 1e-6
     assert not torch.all(state["model"]["final_layer.linear.weight"] == 0)  # trained away from its zero init
     g = torch.Generator().manual_seed(0)
     img, txt = torch.randn(2, 16, 64, generator=g, dtype=torch.float64), torch.randn(2, 8, 4096, generator=g).double()
