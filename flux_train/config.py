@@ -156,7 +156,9 @@ class PreflightConfig:
     # submitter turns it on for Slurm runs
     enabled: bool = False
     gpu_name: str = ""  # a substring every GPU's name must contain, e.g. H200; empty: any
-    min_free_disk_gb: float = 1.0  # in the checkpoint and log folders
+    # in the checkpoint and log folders; unset (null): what the plan says the checkpoints need,
+    # checkpoint.keep + 1 checkpoints of this model and layout (flux_train.plan)
+    min_free_disk_gb: Optional[float] = None
     min_bus_bandwidth_gbps: float = 0.0  # all-reduce bus bandwidth over all ranks
     probe_mb: int = 256
 
