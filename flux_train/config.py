@@ -118,7 +118,7 @@ class ParallelConfig:
     # fsdp: weights, gradients and optimizer state sharded (FSDP2), weights gathered every micro-batch: fits
     # 80 GB GPUs. ddp: bf16 weights and gradients replicated, fp32 master weights and AdamW state sharded over
     # dp_shard; one reduce-scatter and one all-gather per optimizer step (needs ~4 bytes per parameter plus
-    # 16/dp_shard: 141 GB and larger GPUs)
+    # 12/dp_shard: 141 GB and larger GPUs; python -m flux_train.plan says what fits)
     strategy: Literal["fsdp", "ddp"] = "fsdp"
     # gradient reduction dtype; auto: float32 under fsdp, the compute dtype under ddp (as the MLPerf
     # submissions reduce); ddp reduces in the compute dtype only

@@ -109,7 +109,7 @@ class Figures:
     def figure(self, name: str) -> tuple[float, str] | None:
         """(value, where it comes from) of a stated or tabled figure, or None."""
         if name in self.stated:
-            return float(self.stated[name]), "stated"
+            return float(self.stated[name]), f"{self.stated[name]:g}, stated on the command line"
         f = self.figures.get(name)
         if f is None:
             return None
@@ -463,6 +463,7 @@ def what_fits(cfg: Config, figs: Figures) -> str | None:
 
 
 def refusal(cfg: Config, figs: Figures, mem: dict) -> str:
+    """Why the job cannot fit its GPUs, and what would, in one line."""
     fix = what_fits(cfg, figs)
     gpus = cfg.slurm.gpus_per_node
     return (
@@ -660,6 +661,9 @@ def plot(plans: list[dict], path: str, title: str) -> None:
     nodes = [p["nodes"] for p in done]
     t = [p["time_to_train"] for p in done]
     left.plot(nodes, [x["mean_min"] for x in t], marker="o", label="RCP mean")
+    bounds = [(p["nodes"], p["time_to_train"]["mean_min"]) for p in done if p["lower_bound"]]
+    if bounds:  # a figure was missing: these times are lower bounds
+        left.plot(*zip(*bounds), "o", markerfacecolor="white", color="C0", label="lower bound (a figure missing)")
     left.fill_between(nodes, [x["low_min"] for x in t], [x["high_min"] for x in t], alpha=0.2, label="RCP range")
     left.set(xlabel="nodes", ylabel="time-to-train (minutes)", title=title)
     right.plot(nodes, [p["samples_s_per_gpu"] for p in done], marker="o", label="training step")
