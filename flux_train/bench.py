@@ -361,6 +361,7 @@ def run_step(cfg: Config, args, row: str) -> dict:
             seconds, warm, profile, eval_rate = trainer_step(cfg, args)
             base |= {
                 "precision": precision_of("ours", cfg),
+                "strategy": cfg.parallel.strategy,
                 "eval_samples_s_per_gpu": eval_rate,
                 "label": (
                     f"ours {cfg.parallel.strategy}"
@@ -591,12 +592,12 @@ def print_table(rows: list[dict]) -> None:
                 print(f"  {ms:9.2f} {count:6d} {kind[:12]:12s} {name[:90]}")
 
 
-def read_rows(path: str) -> list[dict]:
-    """The rows of a --json file, for --table."""
+def read_rows(path: str, flag: str = "--table") -> list[dict]:
+    """The rows of a --json file (for --table, and the planner's --measured)."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
-        raise UserError(f"--table {path}: {exc.strerror}; give a file that --json wrote") from None
+        raise UserError(f"{flag} {path}: {exc.strerror}; give a file that --json wrote") from None
     rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -606,7 +607,7 @@ def read_rows(path: str) -> list[dict]:
         except json.JSONDecodeError:
             row = None
         if not (isinstance(row, dict) and {"mode", "row"} <= row.keys()):
-            raise UserError(f"--table {path}: line {n} is not a bench row; give a file that --json wrote")
+            raise UserError(f"{flag} {path}: line {n} is not a bench row; give a file that --json wrote")
         rows.append(row)
     return rows
 
@@ -696,7 +697,7 @@ def main(argv=None) -> int:
             free_memory()
             continue
         result |= {
-            "blocks": f"{cfg.model.num_layers}+{cfg.model.num_single_layers}",
+            "blocks": [cfg.model.num_layers, cfg.model.num_single_layers],  # the depth, for the planner
             "device": torch.cuda.get_device_name(),
             "ceiling_tflops": round(ceiling, 1),
             "flops_per_sample": flops,

@@ -118,7 +118,7 @@ class ParallelConfig:
     # fsdp: weights, gradients and optimizer state sharded (FSDP2), weights gathered every micro-batch: fits
     # 80 GB GPUs. ddp: bf16 weights and gradients replicated, fp32 master weights and AdamW state sharded over
     # dp_shard; one reduce-scatter and one all-gather per optimizer step (needs ~4 bytes per parameter plus
-    # 16/dp_shard: 141 GB and larger GPUs)
+    # 12/dp_shard: 141 GB and larger GPUs; python -m flux_train.plan says what fits)
     strategy: Literal["fsdp", "ddp"] = "fsdp"
     # gradient reduction dtype; fsdp: of the reduce-scatter (auto: float32, as the reference); ddp: of the
     # cross-node all-reduce, the reduce-scatter within a node summing the compute dtype (auto: the compute
@@ -163,7 +163,9 @@ class PreflightConfig:
     # submitter turns it on for Slurm runs
     enabled: bool = False
     gpu_name: str = ""  # a substring every GPU's name must contain, e.g. H200; empty: any
-    min_free_disk_gb: float = 1.0  # in the checkpoint and log folders
+    # in the checkpoint and log folders; unset (null): what the plan says the checkpoints need,
+    # checkpoint.keep + 1 checkpoints of this model and layout (flux_train.plan)
+    min_free_disk_gb: Optional[float] = None
     min_bus_bandwidth_gbps: float = 0.0  # all-reduce bus bandwidth over all ranks
     probe_mb: int = 256
 

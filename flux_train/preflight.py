@@ -24,6 +24,7 @@ from flux_train.checkpoint import checkpoint_dir
 from flux_train.config import Config, load_config
 from flux_train.errors import Parser, UserError, reports_user_errors
 from flux_train.heartbeat import node_name
+from flux_train.plan import checkpoint_disk_gb
 
 # a worker's own CUDA context and allocator reserve; more in use before the run allocates means another process
 IDLE_GPU_USED_GIB = 4.0
@@ -38,6 +39,7 @@ class PreflightError(UserError):
 def node_problems(cfg: Config, device: torch.device, gpus_per_node: int) -> list[str]:
     """This node's reasons to refuse the run (empty: fit)."""
     p = cfg.preflight
+    floor = p.min_free_disk_gb if p.min_free_disk_gb is not None else checkpoint_disk_gb(cfg)
     problems = []
     if device.type == "cuda":
         count = torch.cuda.device_count()
@@ -58,10 +60,10 @@ def node_problems(cfg: Config, device: torch.device, gpus_per_node: int) -> list
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         free_gb = shutil.disk_usage(existing).free / 1e9
-        if free_gb < p.min_free_disk_gb:
+        if free_gb < floor:
             problems.append(
-                f"{free_gb:.0f} GB free for the {what} folder {folder}, preflight.min_free_disk_gb is "
-                f"{p.min_free_disk_gb:g}"
+                f"{free_gb:.0f} GB free for the {what} folder {folder}, the run needs {floor:.3g} "
+                f"(preflight.min_free_disk_gb; unset: checkpoint.keep + 1 checkpoints)"
             )
         unwritable = not_writable(Path(folder))
         if unwritable:

@@ -13,7 +13,7 @@ breaks here, and the tests named beside each fail first.
 - mlperf-logging 4.1 (<5): the compliance checker's `make_checker` and its module-level `enqueued_configs`,
   the checker object's message dictionaries, `rcp_checker.check_directory` and the RCP table beside it. The
   package's public interface is its command line, which prints and exits; `results` needs the verdicts keyed
-  by log key. Tests: tests/test_results.py.
+  by log key. Tests: tests/test_results.py, tests/test_plan.py (the RCP table).
 """
 
 from __future__ import annotations
@@ -81,8 +81,15 @@ def rcp_check(folder: Path, usage: str, ruleset: str) -> tuple[bool, str, float]
     return rcp_checker.check_directory(str(folder), usage, ruleset, False, False, rcp_pass="pruned_rcps")
 
 
-def rcp_batch_sizes(usage: str, ruleset: str, benchmark: str) -> list[int]:
-    from mlperf_logging.rcp_checker import rcp_checker
+def rcp_records(usage: str, ruleset: str, benchmark: str) -> dict[str, dict]:
+    """The RCP table beside the checker: {name: {"BS": GBS, "samples to converge": [one per run], ...}}. Read
+    without importing the checker module (it imports scipy: seconds)."""
+    from importlib.resources import files
 
-    path = Path(rcp_checker.__file__).parent / f"{usage}_{ruleset}" / f"rcps_{benchmark}.json"
-    return sorted(record["BS"] for record in json.loads(path.read_text()).values())
+    return json.loads(
+        (files("mlperf_logging.rcp_checker") / f"{usage}_{ruleset}" / f"rcps_{benchmark}.json").read_text()
+    )
+
+
+def rcp_batch_sizes(usage: str, ruleset: str, benchmark: str) -> list[int]:
+    return sorted(record["BS"] for record in rcp_records(usage, ruleset, benchmark).values())

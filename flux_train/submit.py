@@ -353,7 +353,11 @@ def submit(cfg: Config, runs: int) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = resolve_config(args)
+    from flux_train.plan import submit_line  # imports torch (the model's size): only once the config is good
+
+    plan = submit_line(cfg)  # refuses a job whose memory cannot fit its GPUs, naming what would
     if args.dry_run:
+        print(plan)
         dry_run(cfg, args.runs)
     elif args.local:
         return run_local(cfg, args.runs)

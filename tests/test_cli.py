@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from dataprep import progress
 from dataprep.__main__ import main as dataprep
-from flux_train import bench, checkpoint, results, sample, submit, train
+from flux_train import bench, checkpoint, plan, results, sample, submit, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,6 +23,7 @@ COMMANDS = {
     "python -m flux_train.train": train.main,
     "python -m flux_train.submit": submit.main,
     "python -m flux_train.bench": bench.main,
+    "python -m flux_train.plan": plan.main,
     "python -m flux_train.results": results.main,
     "python -m flux_train.checkpoint": checkpoint.main,
     "python -m flux_train.sample": sample.main,

@@ -1,0 +1,169 @@
+"""`python -m flux_train.plan`: the RCP arithmetic against the shipped RCP table, the memory model against the ddp
+layout's real buffers and the measured peaks, checkpoint disk against a checkpoint written here, and the plan as
+submit and pre-flight use it."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import mlperf_logging
+import pytest
+import torch
+
+from flux_train import plan, preflight
+from flux_train import submit as sub
+from flux_train.config import load_config
+from flux_train.ddp import DDP
+from flux_train.model import build_model, count_params
+from run_outputs import set_flags, train
+
+H200 = "configs/systems/H200_01x08.yaml"
+DEBUG_DDP = ["parallel.strategy=ddp", "train.compute_dtype=bfloat16"]  # the debug model in the GPU systems' layout
+RCP_FILE = Path(mlperf_logging.__file__).parent / "rcp_checker" / "training_6.0.0" / "rcps_flux1.json"
+
+
+def plan_json(capsys, tmp_path, *args: str) -> dict:
+    assert plan.main([*args, "--json", "--png", str(tmp_path / "plan.png")]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def rcp_samples(gbs: int) -> list[int]:
+    return next(r["samples to converge"] for r in json.loads(RCP_FILE.read_text()).values() if r["BS"] == gbs)
+
+
+def test_time_to_train_from_the_rcp_of_the_gbs(capsys, tmp_path):
+    """GBS 2048 (the MI325X system) at a stated rate, no checkpoints and no eval rate for MI325X: time-to-train is
+    the RCP's samples over the rate of 64 GPUs, for the mean and both ends of the range."""
+    samples = rcp_samples(2048)
+    out = plan_json(
+        capsys,
+        tmp_path,
+        *("--config", "configs/systems/MI325X_08x08x32.yaml", "--gpu", "MI325X", "--rate", "33"),
+        *("--set", "checkpoint.every_steps=0"),
+    )
+    assert out["rcp"]["runs"] == len(samples) == 20
+    assert out["rcp"]["mean"] == pytest.approx(sum(samples) / len(samples))  # 10.35 M
+    assert (out["rcp"]["low"], out["rcp"]["high"]) == (min(samples), max(samples))
+    t = out["plans"][0]["time_to_train"]
+    for key, value in (("mean", sum(samples) / len(samples)), ("low", min(samples)), ("high", max(samples))):
+        assert t[f"{key}_min"] == pytest.approx(value / (33 * 64) / 60)
+    assert out["plans"][0]["lower_bound"]  # no eval rate for MI325X: the time is a lower bound, and says so
+
+
+def test_a_gbs_without_rcp_is_refused_naming_the_ones_with(capsys, tmp_path):
+    sizes = sorted(r["BS"] for r in json.loads(RCP_FILE.read_text()).values())
+    assert plan.main(["--config", H200, "--set", "train.global_batch_size=768", "--png", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("plan: GBS 768 has no reference convergence point")
+    assert ", ".join(map(str, sizes)) in err
+    assert not (tmp_path / "p.png").exists()
+
+
+class _Group:
+    def __init__(self, size: int):
+        self.n = size
+
+    def size(self) -> int:
+        return self.n
+
+    def get_group(self):
+        return None
+
+    def get_local_rank(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("gpus", [2, 8])
+def test_ddp_memory_model_is_the_layouts_buffers(gpus):
+    """flux-schnell's 11,891,178,560 parameters in the real ddp layout (built on the meta device, rank 0 of a node
+    of `gpus`): its weight and gradient buffers and fp32 master and moments are the plan's model state."""
+    cfg = load_config(H200, [f"slurm.gpus_per_node={gpus}"])
+    model = build_model(cfg.model)
+    assert count_params(model) == 11_891_178_560
+    mesh = {"dp_shard": _Group(gpus), "dp_replicate": _Group(1)}
+    ddp = DDP(model, mesh, cfg.train, torch.bfloat16, torch.device("meta"))
+    held = sum(b.weights.nbytes + b.grads.nbytes for b in ddp.buckets)
+    held += ddp.master.nbytes + ddp.exp_avg.nbytes + ddp.exp_avg_sq.nbytes
+    assert plan.memory(cfg, plan.Figures("H200"), plan.Notes())["state_gib"] * 2**30 == pytest.approx(held, rel=1e-3)
+
+
+def test_projection_against_the_measured_steps(capsys, tmp_path):
+    """Each 2-GPU full-model configuration measured on H200, projected from the other configurations' rows: peak
+    memory (from the one-GPU forward+backward rows only) within 2 %, the ddp step within 10 %."""
+    checked = plan_json(capsys, tmp_path, "--config", H200, "--check")
+    two = [r for r in checked if r["gpus"] == 2 and r["blocks"] == [19, 38]]
+    assert {r["layout"] for r in two} == {"ddp bf16", "ddp fp8 tensorwise", "fsdp bf16"}
+    for r in two:
+        assert r["projected_peak_gib"] == pytest.approx(r["measured_peak_gib"], rel=0.02), r
+        if r["layout"].startswith("ddp"):
+            assert r["projected_samples_s_per_gpu"] == pytest.approx(r["measured_samples_s_per_gpu"], rel=0.10), r
+
+
+def test_measured_rows_come_first_and_are_named(capsys, tmp_path):
+    """A bench rows file's forward+backward row is used ahead of the table's: twice the rate, half the compute."""
+    base = plan_json(capsys, tmp_path, "--config", H200)["plans"][0]
+    rows = tmp_path / "rows.jsonl"
+    fast = {"mode": "fwdbwd", "row": "ours", "batch": 16, "precision": "bf16", "samples_s_per_gpu": 2 * 26.84,
+            "peak_gib": 76.5, "blocks": [19, 38], "device": "NVIDIA H200"}  # fmt: skip
+    rows.write_text(json.dumps({"mode": "fwdbwd", "row": "stock", "batch": 16}) + "\n" + json.dumps(fast) + "\n")
+    faster = plan_json(capsys, tmp_path, "--config", H200, "--measured", str(rows))["plans"][0]
+    assert faster["step"]["compute_s"] == pytest.approx(base["step"]["compute_s"] / 2, rel=0.01)
+    assert f"{rows} row 2" in faster["sources"]["compute"]
+
+
+@pytest.fixture(scope="module")
+def debug_checkpoint(tmp_path_factory):
+    """Bytes of the data files of a checkpoint the trainer wrote for the debug model (DEBUG_DDP) on this CPU."""
+    out = tmp_path_factory.mktemp("ckpt")
+    run = ["checkpoint.every_steps=1", "data.source=synthetic", "train.max_steps=1", "eval.enabled=false"]
+    proc = train(out, *set_flags(DEBUG_DDP + run + ["logging.progress_bar=false"]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (folder,) = (out / "checkpoints").iterdir()
+    return sum(f.stat().st_size for f in folder.glob("*.distcp"))
+
+
+def test_checkpoint_size_is_what_the_trainer_writes(debug_checkpoint):
+    cfg = load_config("configs/debug.yaml", DEBUG_DDP)
+    assert plan.checkpoint_bytes(cfg) == pytest.approx(debug_checkpoint, rel=0.03)  # DCP adds a header per tensor
+
+
+def test_preflight_disk_floor_follows_checkpoint_keep(debug_checkpoint, tmp_path, monkeypatch):
+    """Unset, the floor is checkpoint.keep + 1 checkpoints: room for 3 passes keep 1 and fails keep 3; an explicit
+    floor still rules."""
+    written = debug_checkpoint
+    usage = preflight.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda _: usage._replace(free=3 * written))
+
+    def disk_problems(*overrides):
+        cfg = load_config("configs/debug.yaml", [*DEBUG_DDP, f"logging.out_dir={tmp_path}", *overrides])
+        return [p for p in preflight.node_problems(cfg, torch.device("cpu"), 1) if "free for the" in p]
+
+    assert disk_problems("checkpoint.keep=1") == []
+    assert len(disk_problems("checkpoint.keep=3")) == 2  # the checkpoint and the log folder
+    assert disk_problems("checkpoint.keep=3", f"preflight.min_free_disk_gb={2 * written / 1e9}") == []
+
+
+def test_submit_dry_run_prints_the_plan_line(capsys, tmp_path):
+    argv = ["--config", H200, "--dry-run", "--set", f"slurm.folder={tmp_path}/%j", "--set", "checkpoint.keep=4"]
+    assert sub.main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    params = count_params(build_model(load_config(H200).model))
+    assert line.startswith("# plan (H200 x 8, ddp bf16, micro-batch 16): fits") and "time-to-train" in line
+    assert f"checkpoint disk {5 * params * 14 / 1e9:.0f} GB" in line  # bf16 weights + fp32 master and moments, x 5
+
+
+def test_submit_refuses_a_job_that_cannot_fit_and_names_what_would(capsys, tmp_path):
+    """2 H200 per node: ddp at micro-batch 8 was measured at 137.9 GiB and failed in NCCL; the plan refuses it and
+    16, and what it proposes is accepted."""
+    argv = ["--config", H200, "--dry-run", "--gpus-per-node", "2", "--set", f"slurm.folder={tmp_path}/%j"]
+    for mb in (16, 8):
+        assert sub.main([*argv, "--set", f"train.micro_batch_size={mb}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert (
+            len(err.splitlines()) == 1 and err.startswith("plan: ddp bf16 at micro-batch") and "what fits: --set" in err
+        )
+    fix = shlex.split(err.split("what fits: --set ", 1)[1].split(" (", 1)[0])
+    assert sub.main([*argv, *[a for f in fix for a in ("--set", f)]]) == 0
+    assert "fits" in capsys.readouterr().out.splitlines()[0]
