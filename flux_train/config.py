@@ -551,8 +551,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         need(value.strip() or key in MAY_BE_EMPTY, f"{key}: empty; give a value, or null to leave it unset")
         # a newline or NUL in a path splits every message naming it and fails deep in the OS calls
         need(value.isprintable(), f"{key}: {value!r} holds a control character (a newline, a tab, NUL, ...)")
-    for key, (accepted, ok) in RANGES.items():
-        need(ok(values[key]), f"{key}: must be {accepted}, got {values[key]}")
+    for key, (accepted, ok) in RANGES.items():  # None: an optional setting left unset
+        need(values[key] is None or ok(values[key]), f"{key}: must be {accepted}, got {values[key]}")
     need(m.num_layers + m.num_single_layers > 0, "model: num_layers + num_single_layers must be >= 1")
     need(
         all(d > 0 and d % 2 == 0 for d in m.axes_dims_rope),
