@@ -27,6 +27,7 @@ from flux_train.diffusers_adapter import load_pretrained
 from flux_train.errors import Parser, reports_user_errors
 from flux_train.evaluate import evaluate
 from flux_train.heartbeat import Heartbeat, stragglers
+from flux_train.masking import masked
 from flux_train.metrics import Metrics
 from flux_train.mllog import C, MLLogger
 from flux_train.model import build_model, check_weights, count_params, flops_per_sample, reference_init
@@ -103,7 +104,7 @@ class Trainer:
         self.heartbeat = Heartbeat(self.out_dir / "heartbeats", self.dist.rank)
         if self.dist.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            (self.out_dir / "config.yaml").write_text(yaml.safe_dump(masked(cfg).to_dict(), sort_keys=False))
         self.checkpointer = checkpoint.Checkpointer(
             checkpoint.checkpoint_dir(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.checkpoint.every_steps
         )
