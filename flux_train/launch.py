@@ -451,6 +451,8 @@ def main(argv=None) -> int:
     p.add_overrides()
     p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")
     args = p.parse_args(argv)
+    from torch.distributed.elastic.multiprocessing import SignalException
+
     try:
         status = run_node(load_config(args.config, args.overrides), args.local)
     except ConfigError as exc:
@@ -458,6 +460,9 @@ def main(argv=None) -> int:
         return 2
     except WorkerFailure:
         return 1  # already logged
+    except SignalException as exc:  # Ctrl-C, SIGHUP or SIGQUIT: the launcher has stopped the workers
+        print(f"launch: stopped by {exc.sigval.name}; the workers were stopped", file=sys.stderr)
+        return 128 + exc.sigval
     return 128 + signal.SIGTERM if status == "terminated" else 0
 
 
