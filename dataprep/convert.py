@@ -9,6 +9,7 @@ parallel by spawned worker processes, each opening the memory-mapped input itsel
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -18,6 +19,7 @@ from typing import Optional
 
 from dataprep import progress
 from dataprep.format import DataprepError, Shape, check_sample, tar_sample
+from dataprep.lifetime import die_with_parent
 from dataprep.shards import ShardPlan, ShardRecord, SplitWriter, plan_shards, val_first_key
 
 COLUMNS = {"t5_encodings": "t5", "clip_encodings": "clip", "mean": "mean", "logvar": "logvar"}
@@ -89,7 +91,8 @@ class ShardJob:
 _worker: dict = {"tables": {}}  # per worker process: opened inputs, the progress queue, the stop flag
 
 
-def _init_worker(progress_queue, stop) -> None:
+def _init_worker(progress_queue, stop, parent: int) -> None:
+    die_with_parent(parent)  # a killed convert takes its pool along (its queues would keep the workers waiting)
     _worker.update(queue=progress_queue, stop=stop)
 
 
@@ -140,7 +143,9 @@ def _run_pool(jobs: list[ShardJob], workers: int, bar) -> dict[str, list[ShardRe
     ctx = mp.get_context("spawn")  # fork would copy the parent's Arrow maps and threads
     progress_queue, stop = ctx.Queue(), ctx.Event()
     records: dict[str, list[ShardRecord]] = {}
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(progress_queue, stop))
+    pool = ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_init_worker, initargs=(progress_queue, stop, os.getpid())
+    )
     try:
         pending = {pool.submit(_convert_shard, job): job.split for job in jobs}
         while pending:

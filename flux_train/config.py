@@ -258,6 +258,9 @@ class EnvConfig:
     local_dir: Optional[str] = None
     runtime_tunables: bool = False  # run slurm/runtime_tunables.sh once per node before the workers
     vars: dict[str, str] = field(default_factory=dict)
+    # more variable names (fnmatch patterns, any case) whose values are masked in logs, --dry-run and the run's
+    # config.yaml, on top of *TOKEN*, *KEY*, *SECRET*, *PASSWORD*, *PASSWD*, *CREDENTIAL* (flux_train/masking.py)
+    masked_vars: list[str] = field(default_factory=list)
 
 
 @dataclass

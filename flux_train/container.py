@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from flux_train.config import Config, ConfigError
+from flux_train.launch import check_variable_names
 from flux_train.preemption import REQUEUE_FLAG_ENV
 
 # docker/podman start from the image's environment: what the agent needs from Slurm's and the site's
@@ -129,6 +130,9 @@ def command(cfg: Config) -> tuple[list[str], list[str]]:
     c = cfg.container
     if c.runtime == "none":
         return [], [sys.executable]
+    if c.image and c.image.startswith("-"):  # docker, podman and apptainer take the image as a word of its own
+        raise ConfigError(f"container.image {c.image!r}: starts with '-', so {c.runtime} would read it as an option")
+    check_variable_names(c.env, "container.env")
     binds = mounts(cfg)
     workdir = c.workdir or os.getcwd()
     try:

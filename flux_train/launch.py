@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import select
 import signal
 import socket
@@ -34,6 +35,7 @@ import yaml
 
 from flux_train.config import Config, ConfigError, load_config, validate
 from flux_train.errors import Parser
+from flux_train.masking import mask_env
 from flux_train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from flux_train.preemption import REQUEUE_FLAG_ENV, SIGNAL
 
@@ -44,6 +46,9 @@ IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 # scratch folders that belong to this node: a value inherited from the submitting shell (a login node's path,
 # or the /tmp default torch writes into its own process's environment) is replaced; env.vars can still set them
 NODE_LOCAL_VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR")
+# the agent's pid, in its workers' environment: each worker ends when the agent does (flux_train.worker)
+AGENT_PID_ENV = "FLUX_AGENT_PID"
+VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class WorkerFailure(RuntimeError):
@@ -118,6 +123,25 @@ def read_profile(name: str) -> dict[str, str]:
     return out
 
 
+def check_variable_names(names, key: str) -> None:
+    """Refuse what cannot be one environment variable's name (`A=B` would set A; the environment refuses it)."""
+    for name in names:
+        if not VARIABLE_NAME.fullmatch(name):
+            raise ConfigError(
+                f"{key}: {name!r} is not a variable name (letters, digits and '_', not starting with a digit); "
+                "rename or remove it"
+            )
+
+
+def env_vars(cfg: Config) -> dict[str, str]:
+    """env.vars, checked: names an environment can hold, values without a NUL character."""
+    check_variable_names(cfg.env.vars, "env.vars")
+    for name, value in cfg.env.vars.items():
+        if "\0" in value:
+            raise ConfigError(f"env.vars.{name}: a NUL character cannot be in an environment variable; remove it")
+    return cfg.env.vars
+
+
 def wanted_env(cfg: Config, local_dir: Path) -> dict[str, str]:
     """What the config asks for, later entries winning: profile, interface/HCAs, caches, env.vars."""
     e = cfg.env
@@ -132,7 +156,7 @@ def wanted_env(cfg: Config, local_dir: Path) -> dict[str, str]:
     # matplotlib (the run report) falls back to a temporary folder in the working directory, the submit
     # directory, when $HOME and /tmp are read-only, as in a container
     wanted["MPLCONFIGDIR"] = str(local_dir / "matplotlib")
-    wanted.update(e.vars)
+    wanted.update(env_vars(cfg))
     return wanted
 
 
@@ -165,6 +189,15 @@ def run_tunables(node: Node) -> None:
         log(node, f"runtime_tunables: {line}")
     if result.returncode:
         log(node, f"runtime_tunables.sh exited with {result.returncode}; continuing")
+
+
+def write_config(cfg: Config, path: Path) -> None:
+    """The resolved config for an agent or its workers to read, with its real values (env.vars may hold
+    secrets): readable by its owner only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file written before keeps its mode through O_CREAT
+    with open(fd, "w") as out:
+        out.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def local_dir_for(cfg: Config, node: Node) -> Path:
@@ -372,14 +405,15 @@ def run_node(cfg: Config, local: bool = False) -> str:
         f"{node.master}, node-local dir {local_dir}",
     )
     exported, kept = export_env(wanted_env(cfg, local_dir))
-    for key, value in exported.items():
+    for key, value in mask_env(exported, cfg.env.masked_vars).items():
         log(node, f"export {key}={value}")
-    for key, value in kept.items():
+    for key, value in mask_env(kept, cfg.env.masked_vars).items():
         log(node, f"kept from the job's environment: {key}={value}")
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
     if cfg.env.runtime_tunables:
         run_tunables(node)
     config_file = local_dir / "config.yaml"
-    config_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    write_config(cfg, config_file)
     # the launcher reports each node's rendezvous result (group rank, global ranks) at INFO
     logging.basicConfig(format="%(message)s")
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.INFO)
@@ -417,6 +451,8 @@ def main(argv=None) -> int:
     p.add_overrides()
     p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")
     args = p.parse_args(argv)
+    from torch.distributed.elastic.multiprocessing import SignalException
+
     try:
         status = run_node(load_config(args.config, args.overrides), args.local)
     except ConfigError as exc:
@@ -424,6 +460,9 @@ def main(argv=None) -> int:
         return 2
     except WorkerFailure:
         return 1  # already logged
+    except SignalException as exc:  # Ctrl-C, SIGHUP or SIGQUIT: the launcher has stopped the workers
+        print(f"launch: stopped by {exc.sigval.name}; the workers were stopped", file=sys.stderr)
+        return 128 + exc.sigval
     return 128 + signal.SIGTERM if status == "terminated" else 0
 
 

@@ -23,23 +23,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import io
 import math
 import os
+import re
+import reprlib
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import typing
 from pathlib import Path
 
-import yaml
-
+from dataprep.lifetime import die_with_parent
 from flux_train import container
 from flux_train.config import CONFIG_DIR, Config, ContainerConfig, load_config, mesh_shape, validate
 from flux_train import preemption
 from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
-from flux_train.launch import NodeAgent
+from flux_train.launch import NodeAgent, env_vars, write_config
+from flux_train.masking import mask_text, masked
 from flux_train.private_apis import sbatch_script
 
 RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
@@ -48,6 +52,11 @@ RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
 class SubmitError(UserError):
     """Bad input; the message names it and the fix."""
 
+
+# what sbatch_parameters puts on #SBATCH lines for the requeue and preemption contract, one task per node and the
+# log paths submitit reads: slurm.additional cannot replace them
+OWN_DIRECTIVES = "requeue no-requeue signal nodes ntasks-per-node output error open-mode array".split()
+DIRECTIVE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 
 # submitit's name for a job: <array job>_<task> in a job array, else Slurm's job id
 JOB_ID_SHELL = "${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
@@ -120,6 +129,39 @@ def sbatch_parameters(cfg: Config, folder: str, srun_container_args: list[str]) 
     if s.exclusive:
         params["exclusive"] = True
     return params
+
+
+def check_directives(cfg: Config) -> None:
+    """Refuse what cannot go on an #SBATCH line as it is (submitit quotes the rest). sbatch reads its directives
+    line by line: a line break would end them, the rest of the value running as a command and the directives after
+    it dropped (--requeue, --signal, --time, ...); and it reads a backslash as an escape, also inside quotes. In
+    slurm.folder, the log paths' folder, sbatch would expand a %-pattern other than submitit's %j."""
+    s = cfg.slurm
+    flags = {dotted: "--" + flag.replace("_", "-") for flag, dotted in FLAGS.items()}
+    values = {
+        f"slurm.{k}": getattr(s, k) or "" for k in ("job_name", "partition", "account", "qos", "exclude", "folder")
+    }
+    for name in s.additional:
+        if not DIRECTIVE_NAME.fullmatch(name):
+            raise SubmitError(f"slurm.additional.{name!r}: not an sbatch option name (letters, digits, '-' and '_')")
+        if name.replace("_", "-") in OWN_DIRECTIVES:
+            raise SubmitError(
+                f"slurm.additional.{name}: flux-train sets --{name.replace('_', '-')} itself (requeue and preemption, "
+                "one task per node, the log paths): remove it, or use slurm.nodes, slurm.signal_delay_s, slurm.folder"
+            )
+    values.update({f"slurm.additional.{name}": value for name, value in s.additional.items()})
+    for key, value in values.items():
+        bad = next((c for c in value if c == "\\" or not c.isprintable()), None)
+        if bad is None:
+            continue
+        where = f"{key} ({flags[key]})" if key in flags else key
+        shown = reprlib.repr(mask_text(value, cfg.env.masked_vars))
+        why = "a backslash as an escape" if bad == "\\" else "them line by line: only printable characters are safe"
+        raise SubmitError(f"{where} {shown}: {bad!r} cannot go in an #SBATCH line (sbatch reads {why}): remove it")
+    if "%" in s.folder.replace("%j", ""):
+        raise SubmitError(
+            f"slurm.folder {s.folder!r}: sbatch would expand its '%' in the log paths; use no '%' but %j (the job id)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -234,7 +276,10 @@ def resolve_config(args: argparse.Namespace) -> Config:
         raise SubmitError(
             "--local cannot use pyxis (it is an srun plugin): add --runtime none, apptainer, docker or podman"
         )
-    # a malformed mount, ulimit or container.python stops here, before anything runs
+    # what cannot go in the batch script or the environment, a malformed mount, ulimit or container.python stops
+    # here, before anything runs
+    check_directives(cfg)
+    env_vars(cfg)
     container.mounts(cfg)
     container.ulimits(cfg)
     container.command(cfg)
@@ -248,21 +293,23 @@ def resolve_config(args: argparse.Namespace) -> Config:
 def dry_run(cfg: Config, runs: int) -> None:
     from flux_train.launch import Node, local_dir_for, wanted_env, worker_args
 
+    cfg = masked(cfg)  # everything shown is built from the config with its secrets masked
     folder = os.path.abspath(cfg.slurm.folder)
     srun_args, python = container.command(cfg)
     command_line = f"{shlex.join(python)} -u -m submitit.core._submit {shlex.quote(folder)}"
     array = {"map_count": runs} if runs > 1 else {}
     script = sbatch_script(command_line, folder, **sbatch_parameters(cfg, folder, srun_args), **array)
-    srun_line = next(line for line in script.splitlines() if line.startswith("srun --unbuffered "))
+    # the words of the script's command, also where a quoted word spans lines
+    command = shlex.split(script.split("\n# command\n", 1)[1].split("\n# teardown\n", 1)[0])
     node = Node("%j", 0, cfg.slurm.nodes, "<node>", "<first host>", 0)
     local_dir = local_dir_for(cfg, node)
     print("# flux-train dry run: nothing was submitted\n# ---- sbatch script ----")
     print(script)
     print("# ---- per-node command (srun runs it once per node), one argument per line ----")
-    print("\n".join("  " + shlex.quote(arg) for arg in shlex.split(srun_line)))
+    print("\n".join("  " + shlex.quote(arg) for arg in command[command.index("srun") :]))
     print("# ---- then on each node, flux_train.launch: environment (a variable already set in the job wins) ----")
     for key, value in wanted_env(cfg, local_dir).items():
-        print(f"  {key}={value}")
+        print(f"  {key}={shlex.quote(value)}")
     print(
         f"# ---- and {cfg.slurm.gpus_per_node} workers per node x {cfg.slurm.nodes} nodes, torch elastic "
         f"launch with static rendezvous on the first host, each running ----"
@@ -289,14 +336,32 @@ def run_one_local(cfg: Config) -> int:
     run_dir = Path(cfg.slurm.folder.replace("%j", f"local-{os.getpid()}")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
-    config_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    write_config(cfg, config_file)
     _, python = container.command(cfg)
     check = container.node_check(cfg)
     if check and subprocess.call(check):
         return 1  # the check has named the problem
     argv = [*python, "-u", "-m", "flux_train.launch", "--local", "--config", str(config_file)]
-    print(f"running on this machine: {shlex.join(argv)}", flush=True)
-    return subprocess.call(argv)
+    print(f"running on this machine: {shlex.join(mask_text(arg, cfg.env.masked_vars) for arg in argv)}", flush=True)
+    # the agent gets SIGTERM (and passes it on to its workers) when this process ends, even by SIGKILL
+    agent = subprocess.Popen(argv, preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM))
+    try:
+        code = agent.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached the agent as well: it stops its workers
+        code = agent.wait()
+    if code:
+        print(f"submit --local: the agent (pid {agent.pid}) {ended(code)}", file=sys.stderr, flush=True)
+    return 128 - code if code < 0 else code
+
+
+def ended(code: int) -> str:
+    """How a child process ended, from Popen's return code (-N: signal N)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
 
 
 def sbatch_refusal(stderr: str) -> str:

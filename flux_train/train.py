@@ -28,6 +28,7 @@ from flux_train.errors import Parser, StorageError, reports_user_errors
 from flux_train.evaluate import evaluate
 from flux_train.heartbeat import Heartbeat, stragglers
 from flux_train.kernels.fp8 import FP8Scaling
+from flux_train.masking import masked
 from flux_train.metrics import Metrics
 from flux_train.mllog import C, MLLogger
 from flux_train.model import build_model, check_weights, count_params, flops_per_sample, reference_init
@@ -107,9 +108,9 @@ class Trainer:
         # from here on every rank says where it is (a bad input above has ended the run without a thread)
         self.heartbeat = Heartbeat(self.out_dir / "heartbeats", self.dist.rank)
         if self.dist.is_main:
-            config_file = self.out_dir / "config.yaml"
+            config_file = self.out_dir / "config.yaml"  # secrets masked (env.masked_vars)
             try:
-                config_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                config_file.write_text(yaml.safe_dump(masked(cfg).to_dict(), sort_keys=False))
             except OSError as exc:
                 raise StorageError(f"writing {config_file} failed ({exc})") from None
         self.checkpointer = checkpoint.Checkpointer(

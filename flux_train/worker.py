@@ -7,7 +7,8 @@ work must not fail the job: at teardown, C++ objects that outlive destroy_proces
 still referenced from FSDP's device mesh) can abort the process ("terminate called without an active
 exception", SIGABRT), which the agent would report as a failed worker and Slurm as a FAILED job. So once
 main has returned, the logs are flushed and the process leaves with main's exit code. An exception still
-ends it the usual way: a traceback and exit code 1.
+ends it the usual way: a traceback and exit code 1. A worker of the agent ends when the agent does, also when
+the agent was killed by SIGKILL (the parent-death signal, dataprep.lifetime).
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ import logging
 import os
 import sys
 
-from flux_train import train
+from dataprep.lifetime import die_with_parent
+from flux_train.launch import AGENT_PID_ENV
 
 
 def main() -> None:
+    if AGENT_PID_ENV in os.environ:  # first, before the seconds torch takes to import: no worker outlives its agent
+        die_with_parent(int(os.environ[AGENT_PID_ENV]))
+    from flux_train import train
+
     code = train.main(sys.argv[1:])
     logging.shutdown()
     sys.stdout.flush()

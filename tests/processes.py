@@ -30,3 +30,23 @@ def parent(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except OSError:  # it has exited
         return None
+
+
+def children(pid: int) -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and parent(int(entry)) == pid]
+
+
+def alive(pid: int) -> bool:
+    """Running, not exited (a zombie waiting for its parent to collect it has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def maps(pid: int) -> str:
+    """The files and regions mapped into a process ("" once it has exited)."""
+    try:
+        return Path(f"/proc/{pid}/maps").read_text(errors="replace")
+    except OSError:
+        return ""

@@ -1,6 +1,7 @@
 """`convert` + `prepare` on real HF-arrow inputs: byte-identical round trip in the on-disk layout, crash and
 rerun, and bad input (hard stop naming file and row, or --skip-bad counted and listed)."""
 
+import contextlib
 import hashlib
 import io
 import json
@@ -24,6 +25,8 @@ from dataprep.fixture import FixtureSpec, fixture_samples, save_arrow, write_arr
 from dataprep.format import DataprepError, Shape, decode_bf16, encode_bf16
 from dataprep.prepare import prepare
 from flux_train.energon_data import FluxTaskEncoder
+from processes import alive, children, maps
+from slurm_cluster import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = FixtureSpec(train=11, val=6, text_len=4, height=2, width=2, seed=5)
@@ -296,3 +299,31 @@ def test_a_full_disk_while_writing_a_shard_is_one_line_naming_it(tmp_path):
     )
     assert not partial.is_symlink() and not (writer.dir / "shard_000000.tar").exists()
     assert writer.finished(ShardPlan(0, 0, 1)) is None  # the rerun writes it
+
+
+def test_killed_convert_takes_its_pool_along(tmp_path):
+    """SIGKILL of convert alone (not its process group) while its spawned pool converts: the workers end too (the
+    parent-death signal) instead of waiting on their queues forever with the input mapped."""
+    inputs = write_arrow(tmp_path / "arrow", FixtureSpec(train=24, val=0, text_len=256, height=2, width=2))
+    args = ["--train", str(inputs["train"]), "--shape", "256,2,2", "--samples-per-shard", "2", "--workers", "2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dataprep", "convert", *args, "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    pool: list[int] = []
+
+    def converting() -> bool:  # a worker has mapped the input: it is past its start-up
+        pool[:] = children(proc.pid)
+        return any(str(inputs["train"]) in maps(pid) for pid in pool)
+
+    try:
+        wait_for(converting, 60, "a pool worker reading the input")
+        proc.kill()
+        assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished
+        wait_for(lambda: not [pid for pid in pool if alive(pid)], 5, "the pool to end with convert")
+    finally:
+        for pid in [proc.pid, *pool]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -4,6 +4,7 @@ worker or SIGTERM ending a --local run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -15,10 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flux_train import launch, results
-from processes import pid_with_env
+from processes import alive, parent, pid_with_env, pids_with_env
 from flux_train.config import load_config
+from run_outputs import set_flags
+from slurm_cluster import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "configs/systems/cpu_02x02.yaml"
@@ -291,6 +295,123 @@ def test_local_run_killed_worker_ends_it_naming_the_rank(tmp_path):
         proc.kill()
     assert proc.returncode == 1, out
     assert f"worker rank 1 (local rank 1, pid {pid}) on 127.0.0.1 failed: killed by SIGKILL" in out
+
+
+def local_run(tmp_path: Path, sets: dict, env: dict) -> subprocess.Popen:
+    """`submit --local` of one node, two workers training until stopped; every process of it has
+    FLUX_TEST_MARKER=<tmp_path> in its environment."""
+    sets = {
+        "train.global_batch_size": 4,
+        "train.max_steps": 100000,
+        "eval.enabled": "false",
+        "logging.out_dir": tmp_path / "out",
+        "slurm.folder": f"{tmp_path}/sub/%j",
+        **sets,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "flux_train.submit", "--local", "--config", SYSTEM, "--nodes", "1", *set_flags(sets)],
+        cwd=ROOT,
+        env={**os.environ, "FLUX_TEST_MARKER": str(tmp_path), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def workers_of(tmp_path: Path) -> list[int]:
+    return [pid for rank in (0, 1) for pid in pids_with_env(FLUX_TEST_MARKER=tmp_path, LOCAL_RANK=rank)]
+
+
+SECRETS = {"HF_TOKEN": "hf_s3cr3t", "WANDB_API_KEY": "wandb_s3cr3t", "SITE_AUTH": "site_s3cr3t"}
+
+
+@pytest.mark.slow
+def test_local_run_masks_secrets_and_a_killed_agent_takes_its_workers_along(tmp_path):
+    """`submit --local` with secrets in env.vars (one only by env.masked_vars' pattern) and one kept from the
+    job's environment: the logs and the run's config.yaml show them masked, the workers' environment holds the
+    real values, the config files with the real ones are the owner's only. Then SIGKILL of the agent alone: its
+    workers end within seconds (the parent-death signal), and submit says how the agent ended, exit 128 + 9."""
+    proc = local_run(
+        tmp_path,
+        {
+            "env.vars": "{HF_TOKEN: %(HF_TOKEN)s, SITE_AUTH: %(SITE_AUTH)s, WANDB_API_KEY: x}" % SECRETS,
+            "env.masked_vars": "['*_auth']",
+            "env.local_dir": tmp_path / "node",
+        },
+        {"WANDB_API_KEY": SECRETS["WANDB_API_KEY"]},
+    )
+    workers: list[int] = []
+    try:
+        mllog = tmp_path / "out" / "mllog.log"
+        wait_for(lambda: mllog.is_file() and "run_start" in mllog.read_text(), 120, "run_start")
+        workers = pids_with_env(FLUX_TEST_MARKER=tmp_path, **SECRETS)
+        assert len(workers) == 2  # the real values reach both workers
+        agent = parent(workers[0])
+        assert b"flux_train.launch" in Path(f"/proc/{agent}/cmdline").read_bytes()
+        os.kill(agent, signal.SIGKILL)
+        wait_for(lambda: not [pid for pid in workers if alive(pid)], 5, "the workers to end with their agent")
+        out, err = proc.communicate(timeout=60)
+    finally:
+        for pid in [proc.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGKILL, err
+    assert err.splitlines()[-1] == f"submit --local: the agent (pid {agent}) was killed by SIGKILL"
+    assert not [value for value in SECRETS.values() if value in out + err]
+    assert "export HF_TOKEN=***" in err and "export SITE_AUTH=***" in err
+    assert "kept from the job's environment: WANDB_API_KEY=***" in err
+    assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["env"]["vars"] == {
+        "HF_TOKEN": "***",
+        "SITE_AUTH": "***",
+        "WANDB_API_KEY": "***",
+    }
+    private = [*(tmp_path / "sub").glob("*/config.yaml"), *(tmp_path / "node").glob("*/config.yaml")]
+    assert len(private) == 2 and all(path.stat().st_mode & 0o077 == 0 for path in private)
+
+
+@pytest.mark.slow
+def test_a_killed_submit_local_takes_its_agent_and_workers_along(tmp_path):
+    """SIGKILL of `submit --local` alone, as soon as its workers run: the agent gets SIGTERM (the parent-death
+    signal), passes it on, and nothing of the run is left."""
+    proc = local_run(tmp_path, {}, {})
+    run: list[int] = []
+    try:
+        wait_for(lambda: len(workers_of(tmp_path)) == 2, 120, "two workers")
+        run = [pid for pid in pids_with_env(FLUX_TEST_MARKER=tmp_path) if pid != proc.pid]  # the agent and workers
+        proc.kill()
+        wait_for(lambda: not [pid for pid in run if alive(pid)], 10, "the agent and workers to end with submit")
+    finally:
+        for pid in [proc.pid, *run]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+    assert len(run) == 3
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_agent_with_one_line(tmp_path):
+    """SIGINT (Ctrl-C) to the agent: the launcher stops the workers, and the agent says so in one line of its own
+    (no traceback; the workers' KeyboardInterrupt is theirs, prefixed with their rank), exit 128 + 2."""
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "flux_train.launch", "--local", "--config", SYSTEM, "--set", "slurm.nodes=1"]
+        + set_flags({"train.max_steps": 100000, "eval.enabled": "false", "logging.out_dir": tmp_path / "out"}),
+        cwd=ROOT,
+        env={**os.environ, "FLUX_TEST_MARKER": str(tmp_path)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    workers: list[int] = []
+    try:
+        workers = wait_for(lambda: len(workers_of(tmp_path)) == 2 and workers_of(tmp_path), 120, "two workers")
+        agent.send_signal(signal.SIGINT)
+        _, err = agent.communicate(timeout=60)
+    finally:
+        for pid in [agent.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    own = [line for line in err.splitlines() if not line.startswith("[rank")]
+    assert agent.returncode == 128 + signal.SIGINT and own[-1] == "launch: stopped by SIGINT; the workers were stopped"
+    assert not [line for line in own if "Traceback" in line] and not [pid for pid in workers if alive(pid)]
 
 
 def test_runtime_tunables_report_each_step_and_never_fail(tmp_path):

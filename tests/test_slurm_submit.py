@@ -248,6 +248,30 @@ def test_each_node_checks_its_container_first(slurm_cluster, engine, tmp_path):
     assert "[launch node" not in logs[0] + logs[1]  # no agent started
 
 
+def test_hostile_values_reach_slurm_whole(slurm_cluster, tmp_path):
+    """A job whose #SBATCH values hold quotes, $(...), backticks, ';', '#', '%' and a leading '-', as Slurm's own
+    sbatch reads them: each value whole and nothing run, and none of the directives after them dropped (requeue,
+    time and nodes sort after the job name and the comment). The job is held: it never starts."""
+    canary = tmp_path / "canary"
+    evil = f'x\'; touch {canary}; "$(touch {canary})" `touch {canary}` # 100%j ✓'
+    additional = json.dumps({"hold": "true", "comment": evil})
+    job = submit(
+        tmp_path,
+        f"--job-name={evil}",
+        f"--account=-x$(touch {canary})",
+        "--time=7",
+        "--set",
+        f"slurm.additional={additional}",
+    )
+    shown = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%j|%a|%k").stdout.rstrip("\n")
+    assert shown == f"{evil}|-x$(touch {canary})|{evil}"
+    info = slurm_cluster.job(job)
+    assert (info["JobState"], info["Reason"], info["Requeue"]) == ("PENDING", "JobHeldUser", "1")
+    assert info["TimeLimit"] == "00:07:00" and info["NumNodes"] == "2-2"
+    slurm_cluster.run("scancel", job)
+    assert not canary.exists()
+
+
 NO_PYTHON = {"FLUX_PYTHON": "", "VIRTUAL_ENV": "", "CONDA_PREFIX": ""}  # what the script would pick
 DECOY_PYTHON = '#!/bin/sh\necho decoy >> "$(dirname "$0")/called"\nexit 1\n'
 

@@ -30,8 +30,13 @@ def dry(capsys, tmp_path, *args: str) -> tuple[str, list[str]]:
     assert sub.main(["--config", SYSTEM, "--dry-run", "--set", f"slurm.folder={tmp_path}/sub/%j", *args]) == 0
     out = capsys.readouterr().out
     script = out.split("# ---- sbatch script ----\n", 1)[1].split("# ---- per-node command", 1)[0]
-    srun = next(line for line in script.splitlines() if line.startswith("srun --unbuffered "))
-    return script, shlex.split(srun)
+    return script, srun_argv(script)
+
+
+def srun_argv(script: str) -> list[str]:
+    """The batch script's srun command, as bash splits it (a quoted word may span lines)."""
+    command = shlex.split(script.split("\n# command\n", 1)[1].split("\n# teardown\n", 1)[0])
+    return command[command.index("srun") :]
 
 
 def program(argv: list[str]) -> list[str]:
@@ -44,10 +49,15 @@ def program(argv: list[str]) -> list[str]:
 
 
 def sbatch_flags(script: str) -> dict[str, str]:
+    """The #SBATCH options as sbatch reads them: from the comment lines before the first command (sbatch stops
+    there), each one word with quotes as a shell takes them and an unquoted '#' starting a comment."""
     flags = {}
-    for line in script.splitlines():
+    for line in script.split("\n")[1:]:
+        if line.strip() and not line.startswith("#"):
+            break
         if line.startswith("#SBATCH "):
-            key, _, value = shlex.split(line[len("#SBATCH ") :])[0].partition("=")
+            (word,) = shlex.split(line[len("#SBATCH ") :], comments=True)
+            key, _, value = word.partition("=")
             flags[key] = value
     return flags
 
@@ -112,6 +122,31 @@ def test_the_teardown_requeues_only_a_flagged_job_and_keeps_sruns_status(tmp_pat
     else:
         assert not (tmp_path / "scontrol.json").exists() and done.stdout == ""
     assert 'source "$requeue_script"' in (Path(preemption.REQUEUE_SCRIPT).parent / "flux.sbatch").read_text()
+
+
+def test_the_plain_sbatch_script_passes_srun_flags_and_its_arguments_as_given(tmp_path):
+    """slurm/flux.sbatch run by bash with a recording srun: FLUX_SRUN_ARGS split on whitespace only (a '*' is no
+    glob there, $(...) no command), and the script's arguments passed on whole."""
+    canary = tmp_path / "canary"
+    (tmp_path / "flux.sqsh").touch()  # what ./*.sqsh would match as a glob
+    _fake_command(tmp_path / "bin", "srun", tmp_path / "srun.json")
+    flags = ["--container-image", "./*.sqsh", f"--container-mounts=$(mkdir${{IFS}}{canary})"]
+    args = ["--config", SYSTEM, "--set", f"logging.out_dir={tmp_path}/a b;$(touch {canary})`touch {canary}`"]
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "SLURM_SUBMIT_DIR": os.getcwd(),
+        "SLURM_JOB_ID": "42",
+        "FLUX_REQUEUE_FLAG": str(tmp_path / "flag"),
+        "FLUX_PYTHON": "",
+        "FLUX_SRUN_ARGS": " ".join(flags),
+    }
+    script = Path(preemption.REQUEUE_SCRIPT).parent / "flux.sbatch"
+    done = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    argv = json.loads((tmp_path / "srun.json").read_text())
+    assert argv == ["--kill-on-bad-exit=1", *flags, "python3", "-u", "-m", "flux_train.launch", *args]
+    assert not canary.exists()
 
 
 def test_the_plain_sbatch_options_come_from_the_config():
@@ -318,13 +353,18 @@ def test_each_node_checks_its_container_before_starting_it(capsys, tmp_path, run
     assert trial == program(argv)[:-4] + ["-c", "import flux_train, submitit"]
 
 
-def _fake_command(bin_dir: Path, name: str, record: Path) -> None:
-    """A stand-in Slurm command (srun, scontrol) that only records its argv: no Slurm, no container engine here."""
-    bin_dir.mkdir()
+def _fake_command(bin_dir: Path, name: str, record: Path, then: str = "") -> None:
+    """A stand-in Slurm command (srun, scontrol, sbatch) that records its argv, then runs `then`: no Slurm, no
+    container engine here."""
+    bin_dir.mkdir(exist_ok=True)
     (bin_dir / name).write_text(
-        f"#!{sys.executable}\nimport json, sys\nopen({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+        f"#!{sys.executable}\nimport json, sys\nopen({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n{then}"
     )
     (bin_dir / name).chmod(0o755)
+
+
+# words with line breaks: quoted words in the script's commands (bash reads them whole), refused on #SBATCH lines
+LINE_BREAKS = ["two\nlines", "line\u2028separator", "carriage\rreturn"]
 
 
 @pytest.mark.parametrize("runtime", ["pyxis", "docker"])
@@ -348,7 +388,7 @@ def test_hostile_config_strings_stay_inert(capsys, tmp_path, runtime):
         "--set",
         f"slurm.folder={folder}/%j",
         "--set",
-        f"container.extra_args=[{json.dumps(evil)}]",
+        f"container.extra_args={json.dumps([evil, *LINE_BREAKS])}",
     )
     assert sbatch_flags(script)["--job-name"] == evil
     # run the script's setup and command lines with a recording srun in place of Slurm's
@@ -363,12 +403,135 @@ def test_hostile_config_strings_stay_inert(capsys, tmp_path, runtime):
     assert f"flag={folder}/42/requeue.flag" in done.stdout
     assert not marker.exists()
     argv = json.loads(record.read_text())
+    assert all(word in argv for word in LINE_BREAKS)  # one word each, as bash reads the script
     if runtime == "pyxis":
         assert f"--container-image={image}" in argv and evil in argv
         assert f"--container-mounts={os.getcwd()}:{os.getcwd()},{folder}:{folder},{mount_src}:/data" in argv
     else:
         assert image in argv and evil in argv and f"--volume={mount_src}:/data" in argv
     assert argv[-1] == f"{folder}/%j"
+
+
+def _slurm_stand_ins(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    """sbatch and srun on PATH as stand-ins that record what they get (the real Slurm runs the legitimate path in
+    tests/test_slurm_submit.py): (sbatch's argv record, the batch script it was given)."""
+    record, script = tmp_path / "sbatch.json", tmp_path / "script.sh"
+    copy = f"import shutil; shutil.copy(sys.argv[-1], {str(script)!r}); print('Submitted batch job 4242')\n"
+    _fake_command(tmp_path / "bin", "sbatch", record, then=copy)
+    _fake_command(tmp_path / "bin", "srun", tmp_path / "srun.json")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    return record, script
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--job-name", "flux\ntouch CANARY"], "slurm.job_name (--job-name) 'flux\\ntouch "),
+        (["--partition", "gpu\u2028touch CANARY"], "slurm.partition (--partition) "),
+        (["--account", "proj\r"], "slurm.account (--account) 'proj\\r': '\\r' cannot go in an #SBATCH line"),
+        (["--qos", "high\\"], "slurm.qos (--qos) 'high\\\\': '\\\\' cannot go in an #SBATCH line (sbatch reads a"),
+        (["--set", 'slurm.exclude="n1\\0"'], "slurm.exclude (--exclude) 'n1\\x00'"),
+        (["--set", 'slurm.additional={comment: "a\\n$(touch CANARY)"}'], "slurm.additional.comment 'a\\n$(t"),
+        (["--set", 'slurm.additional={"x\\ntouch CANARY": "1"}'], "slurm.additional.'x\\ntouch "),
+        (["--set", "slurm.additional={signal: USR1@5}"], "slurm.additional.signal: flux-train sets --signal itself"),
+        (["--set", "slurm.additional={no_requeue: 'true'}"], "flux-train sets --no-requeue itself"),
+        (["--set", 'slurm.folder="TMP/a\\nb/%j"'], "slurm.folder '"),
+        (["--set", "slurm.folder=TMP/%u/%j"], "slurm.folder 'TMP/%u/%j': sbatch would expand its '%'"),
+        (["--set", 'env.vars={"A=B": x}'], "config error: env.vars: 'A=B' is not a variable name"),
+        (["--set", 'env.vars={"A\\nB": x}'], "config error: env.vars: 'A\\nB' is not a variable name"),
+        (["--set", 'env.vars={HF_TOKEN: "a\\0b"}'], "env.vars.HF_TOKEN: a NUL character cannot be in"),
+        (
+            ["--runtime", "docker", "--container-image", "img", "--set", "container.env=[X=1]"],
+            "config error: container.env: 'X=1' is not a variable name",
+        ),
+        (
+            ["--runtime", "podman", "--container-image=--privileged"],
+            "container.image '--privileged': starts with '-', so podman would read it as an option",
+        ),
+    ],
+)
+@pytest.mark.parametrize("mode", [[], ["--dry-run"]])
+def test_what_cannot_go_in_the_script_is_refused_before_anything_runs(
+    capsys, tmp_path, monkeypatch, args, message, mode
+):
+    """A value that would end the #SBATCH block (and run the rest as a command, the directives after it dropped),
+    be read otherwise by sbatch, replace the job's own directives, or not be one environment variable: one line
+    naming the key, exit 2, sbatch never called, nothing written; --dry-run refuses the same."""
+    record, _ = _slurm_stand_ins(tmp_path, monkeypatch)
+    canary = tmp_path / "canary"
+
+    def fill(text: str) -> str:
+        return text.replace("CANARY", str(canary)).replace("TMP", str(tmp_path))
+
+    argv = ["--config", SYSTEM, "--set", f"slurm.folder={tmp_path}/sub/%j", *mode, *map(fill, args)]
+    assert sub.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and fill(message) in err, err
+    assert not record.exists() and not canary.exists() and not (tmp_path / "sub").exists()
+
+
+def test_hostile_values_reach_sbatch_whole_and_stay_inert(capsys, tmp_path, monkeypatch):
+    """The real submit path (submitit) with quotes, $(...), backticks, ';', '#', '%', a leading '-' and a long value
+    in what goes on #SBATCH lines, and in the container's srun options: the script sbatch gets passes `bash -n`,
+    every directive is read (none cut off before the first command, each value whole), and run by bash with a
+    recording srun, it runs no other command."""
+    _, script_file = _slurm_stand_ins(tmp_path, monkeypatch)
+    canary = tmp_path / "canary"
+    evil = f'x\'; touch {canary}; "$(touch {canary})" `touch {canary}` # 100%j ✓'
+    values = {
+        "--job-name": evil,
+        "--partition": f"gpu;touch {canary}",
+        "--account": f"-x$(touch {canary})",
+        "--qos": "q'\"#",
+        "--comment": "long " * 400 + evil,
+    }
+    folder = tmp_path / f"sub dir;$(touch {canary}) #x"
+    image = f"./img $(touch {canary})'"
+    args = [f"{flag}={value}" for flag, value in values.items() if flag != "--comment"]
+    args += ["--runtime=pyxis", f"--container-image={image}"]
+    args += set_flags(
+        {"slurm.folder": json.dumps(f"{folder}/%j"), "slurm.additional": json.dumps({"comment": values["--comment"]})}
+    )
+    assert sub.main(["--config", SYSTEM, *args]) == 0
+    assert "submitted job 4242" in capsys.readouterr().out
+    script = script_file.read_text()
+    assert subprocess.run(["bash", "-n", str(script_file)], capture_output=True).returncode == 0
+    flags = sbatch_flags(script)
+    assert {key: flags.get(key) for key in values} == values
+    assert flags["--requeue"] == "" and flags["--signal"] == "USR2@60" and flags["--time"] == "30"
+    assert flags["--nodes"] == "2" and flags["--output"] == f"{folder}/%j/%j_0_log.out"
+    env = {**os.environ, "SLURM_JOB_ID": "4242", "FLUX_REQUEUE_FLAG": str(tmp_path / "flag")}
+    done = subprocess.run(["bash", str(script_file)], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert not canary.exists()
+    argv = json.loads((tmp_path / "srun.json").read_text())
+    assert f"--container-image={image}" in argv and argv[-1] == f"{folder}/%j"
+
+
+def test_secrets_are_masked_in_the_dry_run_and_reach_the_job(capsys, tmp_path, monkeypatch):
+    """Values of secret-looking variables (by name, or by env.masked_vars) in env.vars, in the container's options
+    and in sbatch's --export: `***` everywhere in the dry run; the script sbatch gets still has them."""
+    sets = {
+        "env.vars": "{HF_TOKEN: hf_s3cr3t, SITE_AUTH: auth_s3cr3t, NCCL_DEBUG: INFO}",
+        "env.masked_vars": "['*_auth']",
+        "container.extra_args": "['--env=WANDB_API_KEY=wandb_s3cr3t', -e, 'db_password=db_s3cr3t']",
+        "slurm.additional": "{export: 'ALL,AWS_SECRET_ACCESS_KEY=aws_s3cr3t'}",
+    }
+    args = ["--config", SYSTEM, "--runtime", "docker", "--container-image", "img", *set_flags(sets)]
+    args += ["--set", f"slurm.folder={tmp_path}/sub/%j"]
+    assert sub.main([*args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cr3t" not in out
+    script = out.split("# ---- sbatch script ----\n", 1)[1].split("# ---- per-node command", 1)[0]
+    assert sbatch_flags(script)["--export"] == "ALL,AWS_SECRET_ACCESS_KEY=***"
+    assert {"--env=WANDB_API_KEY=***", "db_password=***"} <= set(srun_argv(script))
+    assert "  HF_TOKEN='***'\n  SITE_AUTH='***'\n  NCCL_DEBUG=INFO\n" in out
+    _, script_file = _slurm_stand_ins(tmp_path, monkeypatch)
+    assert sub.main(args) == 0
+    assert "s3cr3t" not in capsys.readouterr().out
+    submitted = script_file.read_text()
+    assert sbatch_flags(submitted)["--export"] == "ALL,AWS_SECRET_ACCESS_KEY=aws_s3cr3t"
+    assert {"--env=WANDB_API_KEY=wandb_s3cr3t", "db_password=db_s3cr3t"} <= set(srun_argv(submitted))
 
 
 def test_dry_run_script_is_the_one_submitit_submits(capsys, tmp_path):
