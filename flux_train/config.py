@@ -8,6 +8,8 @@ below: unknown keys, wrong types and impossible values raise ConfigError naming 
 
 from __future__ import annotations
 
+import collections.abc
+
 import dataclasses
 import math
 import typing
@@ -306,13 +308,28 @@ def _resolve(ref: str, parent: Path) -> Path:
 
 class _NoAliasLoader(yaml.SafeLoader):
     """YAML without anchors and aliases: a config has no use for them, and nested aliases (a "billion laughs" of a
-    few hundred bytes) expand to more values than memory holds."""
+    few hundred bytes) expand to more values than memory holds. A key given twice in one mapping is refused too:
+    YAML keeps the last silently, and the one a user edited may be the other."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             mark = self.peek_event().start_mark
             raise ConfigError(f"line {mark.line + 1}: an alias (*name); write the value out instead")
         return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, collections.abc.Hashable):
+                break  # SafeLoader's own error names it
+            if key in seen:
+                raise ConfigError(
+                    f"line {key_node.start_mark.line + 1}: key {key!r} given twice in one mapping (first on line "
+                    f"{seen[key]}); keep one"
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 def parse_yaml(text: str):

@@ -159,6 +159,7 @@ def billion_laughs() -> str:
         (b"defaults: {model: flux-debug}\n", "defaults: expected a list of config names, e.g. [model/flux-debug], got"),
         (b"defaults: [model/flux-debug, [x]]\n", "defaults: expected a list of config names"),
         (b"train: {lr: [1,\n", "not valid YAML: while parsing a flow node expected the node content"),
+        (b"train:\n  lr: 1.0e-3\n  lr: 1.0e-4\n", "line 3: key 'lr' given twice in one mapping (first on line 2)"),
     ],
 )
 def test_a_config_file_that_is_not_a_config_is_refused_in_one_line_fast(tmp_path, content, message):
