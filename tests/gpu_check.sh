@@ -92,6 +92,9 @@ EOF
     tbench $STEP --rows ours --profile --set parallel.strategy=ddp --set perf.fp8=tensorwise --set perf.fp8_impl=torchao \
       > "$OUT/step_ddp_fp8.log" 2>&1 || log "ddp fp8 step failed"
     log "ddp fp8 step done"
+    tbench $STEP --rows ours --profile --set parallel.strategy=ddp --set perf.fp8=delayed \
+      > "$OUT/step_ddp_fp8_delayed.log" 2>&1 || log "ddp fp8 delayed step failed (out of memory is a one-line stop, exit 5)"
+    log "ddp fp8 delayed step done"
     [ -n "${SKIP_REFS:-}" ] && continue
     for fp8 in none tensorwise; do  # step-efficiency references: one GPU, forward+backward at the micro-batch
       CUDA_VISIBLE_DEVICES=0 bench --mode fwdbwd --batch 8 --steps 8 --rows ours --set perf.fp8=$fp8 \
