@@ -353,8 +353,9 @@ def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
 def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
     """Offline export of a DCP checkpoint's weights as a diffusers folder, written beside it and renamed into place
     when complete; nothing that exists at `out` is written into (an empty folder aside)."""
-    from flux_train.diffusers_adapter import save_diffusers
+    from flux_train.diffusers_adapter import quiet_diffusers, save_diffusers
 
+    quiet_diffusers()
     if out.is_symlink() or (out.exists() and not (out.is_dir() and not any(out.iterdir()))):
         raise UserError(f"--out {out} exists; give a new folder to write the export into (nothing is overwritten)")
     weights = read_weights(cfg, checkpoint)

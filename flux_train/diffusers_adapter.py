@@ -13,7 +13,9 @@ black-forest-labs single-file checkpoint (`flux1-schnell.safetensors`, already i
 from __future__ import annotations
 
 import json
+import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -190,6 +192,22 @@ def load_pretrained(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
         f"{path}: expected a diffusers transformer folder (config.json + safetensors), a FLUX.1 "
         "pipeline folder with transformer/, or a .safetensors file"
     )
+
+
+def quiet_diffusers() -> None:
+    """Silence what means nothing to someone exporting or sampling: notes on optional packages (torchao's
+    "Failed to load ..." for kernels of other GPUs, accelerate, torchvision), deprecation notes, weight-loading
+    progress bars, DCP's single-process notice. The loggers' levels are set before diffusers is imported: torchao
+    writes its notes while diffusers imports it."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from diffusers.utils import logging as diffusers_logging  # sets its loggers' levels when imported: ours after
+    from transformers.utils import logging as transformers_logging
+
+    for library in (diffusers_logging, transformers_logging):
+        library.set_verbosity_error()
+        library.disable_progress_bar()
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def save_diffusers(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path) -> None:

@@ -14,10 +14,8 @@ same Sampler for `eval.sample_prompts`: a grid per eval in the run folder.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from PIL import Image
 from dataprep.encoders import ImageEncoder, TextEncoders, add_encoder_arguments, device_and_dtype
 from dataprep.format import DataprepError
 from flux_train.config import Config, ModelConfig, TrainConfig, load_config
-from flux_train.diffusers_adapter import diffusers_config, save_diffusers, to_diffusers
+from flux_train.diffusers_adapter import diffusers_config, quiet_diffusers, save_diffusers, to_diffusers
 from flux_train.errors import Parser, UserError, reports_user_errors
 
 STEPS = 4  # Flux.1-schnell's sampler: 4 steps, guidance-distilled (no classifier-free guidance)
@@ -84,19 +82,6 @@ def image_grid(images: list[Image.Image], columns: int) -> Image.Image:
     return grid
 
 
-def quiet_libraries() -> None:
-    """Silence what means nothing to someone sampling images: notes on optional packages (torchao kernels,
-    accelerate, torchvision), deprecation notes, weight-loading progress bars, DCP's single-process notice."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    for name in ("torchao", "torch.utils._pytree", "diffusers", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
 class Sampler:
     """The pipeline's frozen parts, made once: the VAE and the prompts' encodings (the text encoders are freed after
     encoding). Each `grid` call puts a model's weights into a fresh diffusers transformer and samples every prompt."""
@@ -110,7 +95,7 @@ class Sampler:
         device: torch.device,
         dtype: torch.dtype,
     ):
-        quiet_libraries()
+        quiet_diffusers()
         try:
             text = TextEncoders(weights.t5, weights.clip, weights.t5_tokenizer, weights.clip_tokenizer, device, dtype)
             self.vae = ImageEncoder(weights.vae, device, dtype).vae
