@@ -382,39 +382,38 @@ def run_step(cfg: Config, args, row: str) -> dict:
     return base
 
 
+def trainer_overrides(cfg: Config, args) -> list[str]:
+    """The bench's settings for the trainer, as --set overrides on top of the user's (validated again with them):
+    synthetic data of the bench's shapes, the global batch of one step at --accum, no checkpoints or resume."""
+    world, mb = dist.get_world_size(), cfg.train.micro_batch_size
+    samples = max(mb * 2, cfg.eval.batch_size * world * 4)
+    return [
+        "data.source=synthetic",
+        f"data.synthetic_text_len={args.text_len}",
+        f"data.synthetic_latent_size={args.latent}",
+        f"perf.warmup_latent_size={args.latent}",
+        f"data.synthetic_train_samples={samples}",
+        f"data.synthetic_val_samples={samples}",
+        f"train.global_batch_size={mb * world * args.accum}",
+        f"logging.out_dir={args.out_dir}",
+        "checkpoint.resume=none",
+        "checkpoint.every_steps=0",
+    ]
+
+
 def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, float]:
-    from flux_train.evaluate import evaluate
     from flux_train.train import Trainer
 
-    world = dist.get_world_size()
-    cfg.data.source = "synthetic"
-    cfg.data.synthetic_text_len, cfg.data.synthetic_latent_size = args.text_len, args.latent
-    cfg.perf.warmup_latent_size = args.latent
-    cfg.data.synthetic_train_samples = cfg.data.synthetic_val_samples = max(
-        cfg.train.micro_batch_size * 2, cfg.eval.batch_size * world * 4
-    )
-    cfg.train.global_batch_size = cfg.train.micro_batch_size * world * args.accum
-    cfg.logging.out_dir = args.out_dir
-    cfg.checkpoint.resume, cfg.checkpoint.every_steps = "none", 0
-    trainer = Trainer(cfg)
+    trainer = Trainer(load_config(args.config, args.overrides + trainer_overrides(cfg, args)))
     torch.cuda.reset_peak_memory_stats()
-    trainer.warm_up(max(cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
+    trainer.warm_up(max(trainer.cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
     seconds, warm = timed(trainer.train_step, args.steps)
     profile = profile_breakdown(trainer.train_step) if args.profile else None
-    kwargs = dict(
-        device=trainer.device,
-        dtype=trainer.dtype,
-        seed=0,
-        eval_index=0,
-        rank=trainer.dist.rank,
-        shift=cfg.train.latent_shift,
-        scale=cfg.train.latent_scale,
-    )
-    evaluate(trainer.model, trainer.data.val(), **kwargs)  # warm: eval shapes compile once
+    trainer.evaluator.loss(0)  # warm: eval shapes compile once
     torch.cuda.synchronize()
     e0 = time.perf_counter()
-    _, count = evaluate(trainer.model, trainer.data.val(), **kwargs)
-    eval_rate = count / (time.perf_counter() - e0) / world
+    _, count = trainer.evaluator.loss(0)
+    eval_rate = count / (time.perf_counter() - e0) / dist.get_world_size()
     if args.checkpoint:
         print("CHECKPOINT " + json.dumps(checkpoint_timings(trainer, args, seconds)), flush=True)
     return seconds, warm, profile, round(eval_rate, 1)
@@ -446,10 +445,10 @@ def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
         return result, round(time.perf_counter() - t0, 2)
 
     root = Path(args.checkpoint)
-    progress = {"step": 0, "eval_count": 0, "world_size": dist.get_world_size(), "strategy": trainer.training.strategy}
+    state = replace(trainer.state, step=1)
     loader = trainer.data.train.state_dict()
     blocking = checkpoint.Checkpointer(root / "sync", keep=1)
-    path, save_s = clock(lambda: blocking.save(1, trainer.training, loader, progress))
+    path, save_s = clock(lambda: blocking.save(state, trainer.training, loader))
     size_gb = round(sum(f.stat().st_size for f in path.iterdir()) / 1e9, 1)
     report("checkpoint_gb", size_gb)
     report("save_s", save_s)
@@ -459,13 +458,13 @@ def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
     report("read_gb_per_s", round(size_gb / max(load_s, 1e-3), 2))
     shutil_rmtree(root / "sync")
     background = checkpoint.Checkpointer(root / "async", keep=1, async_save=True)
-    _, first_s = clock(lambda: background.save(1, trainer.training, loader, progress))
+    _, first_s = clock(lambda: background.save(state, trainer.training, loader))
     report("async_blocking_first_s", first_s)  # with the host buffers' allocation (pinned on a GPU host)
     in_flight, _ = timed(trainer.train_step, args.steps, warmup=0)
     report("step_ms_while_writing", round(in_flight * 1000, 1))
     _, async_finish_s = clock(background.wait)
     report("async_wait_after_steps_s", async_finish_s)
-    _, again_s = clock(lambda: background.save(2, trainer.training, loader, progress))
+    _, again_s = clock(lambda: background.save(replace(state, step=2), trainer.training, loader))
     report("async_blocking_s", again_s)  # every later save: the buffers are reused
     background.close()
     shutil_rmtree(root / "async")

@@ -2,8 +2,8 @@
 export of the model to a diffusers folder.
 
 Layout: <dir>/step_00001234/ holds the DCP shards of {"model", "optim"}, `loader_rank<r>.pt` per rank and
-`progress.pt` (step, eval count, and the settings a resume must share: world size, strategy, global batch size,
-data source and loader workers). A save goes to `step_XXXX.tmp/` and is renamed once every rank has finished,
+`progress.pt` (flux_train.train_state: step, eval count, and the settings a resume must share: world size,
+strategy, global batch size, data source and loader workers). A save goes to `step_XXXX.tmp/` and is renamed once every rank has finished,
 so a crash mid-save leaves the previous checkpoint the latest valid one; a save that fails (a full disk) fails
 on every rank alike. No RNG state is needed: every random stream is seeded from (seed, step, micro-batch)
 (flow.seeded_generator).
@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from flux_train.config import ConfigError, ModelConfig
 from flux_train.errors import Parser, StorageError, UserError, raise_on_every_rank, reports_user_errors
+from flux_train.train_state import TrainState
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 PROGRESS = "progress.pt"
@@ -81,16 +82,16 @@ def _failure(exc: CheckpointException) -> str:
     return _brief(next(iter(exc.failures.values()))[0])
 
 
-def read_progress(path: Path) -> dict:
+def read_progress(path: Path) -> TrainState:
     """A checkpoint's progress.pt; ValueError saying why when it is missing, empty or garbled."""
     try:
         progress = torch.load(path / PROGRESS, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch.load fails on a cut or garbled file in many ways
         raise ValueError(f"{PROGRESS} is unreadable ({_brief(exc)})") from None
-    step, world = (progress.get("step"), progress.get("world_size")) if isinstance(progress, dict) else (None, None)
-    if not isinstance(step, int) or not isinstance(world, int) or not 1 <= world < 2**20:  # garbled, yet unpickled
-        raise ValueError(f"{PROGRESS} holds no step and world size")
-    return progress
+    try:
+        return TrainState.from_progress(progress)
+    except ValueError as exc:
+        raise ValueError(f"{PROGRESS} {exc}") from None
 
 
 def unreadable(path: Path) -> str | None:
@@ -110,7 +111,7 @@ def unreadable(path: Path) -> str | None:
         have = (path / name).stat().st_size if (path / name).is_file() else None
         if have is None or have < size:
             return f"{name} is {'missing' if have is None else f'cut short ({have} of {size} bytes)'}"
-    for rank in range(progress["world_size"]):
+    for rank in range(progress.world_size):
         try:
             torch.load(path / f"loader_rank{rank}.pt", weights_only=True)
         except Exception as exc:  # noqa: BLE001
@@ -135,38 +136,18 @@ def model_mismatch(mcfg: ModelConfig, path: Path) -> str | None:
     return None
 
 
-def resume_settings(cfg, world_size: int) -> dict:
-    """What a checkpoint records of the run that wrote it, and a resume must share: the layout the optimizer state
-    and the loader order depend on, and the batch size the samples count is made of."""
-    return {
-        "world_size": world_size,
-        "strategy": cfg.parallel.strategy,
-        "global_batch_size": cfg.train.global_batch_size,
-        "data_source": cfg.data.source,
-        "num_workers": cfg.data.num_workers,
-    }
-
-
-SETTING_NAMES = {
-    "world_size": "world size (nodes x GPUs per node)",
-    "strategy": "parallel.strategy",
-    "global_batch_size": "train.global_batch_size",
-    "data_source": "data.source",
-    "num_workers": "data.num_workers",
-}
-
-
 def check_resumable(path: Path, cfg, world_size: int) -> None:
     """Refuse, naming the difference and the fix, a checkpoint this run cannot continue exactly."""
-    saved, mine = read_progress(path), resume_settings(cfg, world_size)
-    if cfg.data.source != "energon":  # the synthetic source's order does not depend on the workers
-        del mine["num_workers"]
+    saved = read_progress(path)
     fix = "resume with the run's own settings, or start this one in a new logging.out_dir"
-    for key, value in mine.items():
-        if key in saved and saved[key] != value:
-            raise CheckpointError(
-                f"checkpoint {path} was saved with {SETTING_NAMES[key]} {saved[key]}, this run has {value}: {fix}"
-            )
+    differences = TrainState.of_run(cfg, world_size).differences(saved)
+    if differences:
+        raise CheckpointError(f"checkpoint {path} was saved with {differences[0]}: {fix}")
+    if saved.step > cfg.train.max_steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {saved.step}, past train.max_steps {cfg.train.max_steps}: raise "
+            "train.max_steps to go on, or start over in a new logging.out_dir"
+        )
     mismatch = model_mismatch(cfg.model, path)
     if mismatch:
         raise CheckpointError(f"checkpoint {path} holds another model: {mismatch}; {fix}")
@@ -247,11 +228,11 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
-    def save(self, step: int, training, loader_state: dict, progress: dict) -> Path:
+    def save(self, state: TrainState, training, loader_state: dict) -> Path:
         """Write a checkpoint of the current state; returns its final folder (complete on return unless async)."""
         self.wait()
-        rank = dist.get_rank()
-        final, tmp = self.root / f"step_{step:08d}", self.root / f"step_{step:08d}.tmp"
+        rank, progress = dist.get_rank(), state.to_progress()  # as of now: training goes on during an async save
+        final, tmp = self.root / f"step_{state.step:08d}", self.root / f"step_{state.step:08d}.tmp"
 
         def start() -> None:
             if rank == 0:
@@ -299,8 +280,8 @@ class Checkpointer:
         _on_every_rank(final, publish, self.group)  # also the barrier after which the checkpoint is complete
 
 
-def load(path: Path, training) -> tuple[dict, dict]:
-    """Collective: restores weights and optimizer in place; returns (progress, this rank's loader state). The
+def load(path: Path, training) -> tuple[TrainState, dict]:
+    """Collective: restores weights and optimizer in place; returns (its TrainState, this rank's loader state). The
     checkpoint was checked before (resolve_resume); what fails here is garbled inside a shard."""
     progress = read_progress(path)
     state = training.state_dict()

@@ -152,3 +152,12 @@ class DataError(UserError, ValueError):
     """A defect in the data on disk; the message names the shard and sample (or file)."""
 
     label = "data error"
+
+
+def build_data(cfg: Config, rank: int, world: int) -> DataSource:
+    """rank/world are the data-parallel rank and size."""
+    if cfg.data.source == "synthetic":
+        return build_synthetic(cfg, rank, world)
+    from flux_train.energon_data import build_energon  # energon is needed only for real data
+
+    return build_energon(cfg, rank, world)

@@ -133,3 +133,24 @@ def build_inputs(
         y=batch["clip"].to(dtype),
     )
     return inputs, target
+
+
+def training_inputs(
+    batch: dict,
+    tcfg,
+    step: int,
+    global_micro: int,
+    empty: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[ModelInputs, torch.Tensor]:
+    """One training micro-batch's model inputs and target: caption dropout to the empty encodings (t5, clip), a
+    uniform timestep and the noising, each from its own stream seeded by (train.seed, step, micro-batch)."""
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    gen = seeded_generator(device, tcfg.seed, step, global_micro, STREAM_NOISE)
+    drop_gen = seeded_generator(device, tcfg.seed, step, global_micro, STREAM_DROPOUT)
+    batch["t5"], batch["clip"], _ = caption_dropout(
+        batch["t5"], batch["clip"], *empty, tcfg.caption_dropout_prob, drop_gen
+    )
+    timesteps = torch.rand(batch["t5"].shape[0], device=device, generator=gen)
+    return build_inputs(batch, timesteps, gen, tcfg.latent_shift, tcfg.latent_scale, dtype)

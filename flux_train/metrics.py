@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from flux_train.errors import StorageError
+from flux_train.parallel import all_reduce_sum
 from flux_train.report import METRICS_FILE
 
 # dense bf16 peak per GPU, for MFU; the bench measures the achievable ceiling itself
@@ -64,6 +65,7 @@ class Metrics:
             from tqdm import tqdm
 
             self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            self.postfix: dict[str, str] = {}
 
     def add_step(self, samples: int, data_wait_s: float) -> None:
         self._samples += samples
@@ -101,7 +103,10 @@ class Metrics:
         text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
         if self.bar is not None:
             self.bar.write(text)
-            self.bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}")
+            # the last training loss and, once there is one, the last val loss: an eval's row (no training loss)
+            # keeps the training loss shown
+            self.postfix |= {k: f"{row[k]:.4f}" for k in ("loss", "val_loss") if k in row}
+            self.bar.set_postfix(self.postfix)
         else:
             print(text, flush=True)
 
@@ -130,3 +135,36 @@ class Metrics:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+class LogWindow:
+    """What the loop learns at each host sync (every logging.log_every steps, and before an eval or a checkpoint),
+    in one all-reduce: the mean loss of the window's steps, whether any rank got the stop signal, and whether
+    any step's loss or gradient norm was not finite (and which step first, on this rank)."""
+
+    def __init__(self, device: torch.device, world: int):
+        self.device, self.world = device, world
+        self.loss_sum = torch.zeros((), device=device)
+        self.first_bad = torch.zeros((), device=device)
+        self.steps = 0
+
+    def add(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Device-side only: no sync."""
+        self.loss_sum += loss
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        self.first_bad = torch.where(bad & (self.first_bad == 0), float(step), self.first_bad)
+        self.steps += 1
+
+    def close(self, stop_requested: bool) -> tuple[float, bool, int | None]:
+        """(mean loss over ranks and steps, whether any rank asked to stop, None if every step was finite, else the
+        first non-finite step this rank saw, 0 if only other ranks saw one); resets the window."""
+        stats = torch.stack(
+            [self.loss_sum, torch.tensor(float(stop_requested), device=self.device), (self.first_bad > 0).float()]
+        )
+        loss_sum, stop_votes, bad_ranks = all_reduce_sum(stats).tolist()
+        first_bad = int(self.first_bad.item()) if bad_ranks else None
+        mean = loss_sum / max(self.steps * self.world, 1)
+        self.loss_sum.zero_()
+        self.first_bad.zero_()
+        self.steps = 0
+        return mean, stop_votes > 0, first_bad

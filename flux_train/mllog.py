@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Callable
 
 from mlperf_logging.mllog import constants as C
 from mlperf_logging.mllog.mllog import MLLogger as _MLPerfLogger
@@ -133,6 +134,14 @@ class MLLogger:
             self.event(key, value)
 
     # the training loop's events, in one place
+
+    @contextlib.contextmanager
+    def block(self, samples: Callable[[], int]):
+        """block_start now and block_stop when the block's steps end (an exception ends the run without it);
+        `samples` gives the samples count at each."""
+        self.block_start(samples())
+        yield
+        self.block_stop(samples())
 
     def block_start(self, samples: int) -> None:
         """Opens a block, unless one is open: a run resumed from a checkpoint saved within a block continues it."""

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from flux_train.config import ParallelConfig, TrainConfig, mesh_shape
 from flux_train.ddp import DDP
+from flux_train.heartbeat import stragglers
 from flux_train.model import assign_weights, block_stacks
 from flux_train.optim import build_optimizer, clip_grad_norm, set_lr
 
@@ -213,3 +214,31 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+def out_of_memory_line(exc: BaseException, rank: int) -> str | None:
+    """One line for an out-of-memory anywhere in the step -- torch's allocator, or NCCL's own buffers, which
+    surface as a collective's error ("Failed to CUDA calloc") -- else None."""
+    text = str(exc)
+    if not (isinstance(exc, torch.OutOfMemoryError) or "CUDA calloc" in text or "out of memory" in text.lower()):
+        return None
+    held = ""
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        held = f" (torch's peak {torch.cuda.max_memory_allocated() / 2**30:.1f} of {total:.1f} GiB)"
+    return (
+        f"out of GPU memory on rank {rank}{held}: {type(exc).__name__}: {text.strip().splitlines()[0][:160]}; "
+        "lower train.micro_batch_size (accumulation keeps the global batch) or take parallel.strategy=fsdp "
+        "(1/GPUs of the model state per GPU)"
+    )
+
+
+def collective_failure_line(exc: BaseException, out_dir: str) -> str | None:
+    """One line for a collective that failed or timed out (parallel.timeout_s; gloo says "Timed out"), naming the
+    ranks whose heartbeats stopped first -- else None."""
+    if not (isinstance(exc, dist.DistError) or "Timed out" in str(exc)):
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 0
+    who = stragglers(Path(out_dir) / "heartbeats", world) if world else "unknown"
+    rank = dist.get_rank() if world else "?"
+    return f"collective failed on rank {rank} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); {who}"

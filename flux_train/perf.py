@@ -9,8 +9,8 @@
   per block stack measured 1.02x of this on one H200, and cannot hold those per-block hooks).
 - `perf.fp8`: the blocks' token GEMMs (model.is_token_linear) in FP8, with our kernels (flux_train.kernels.fp8)
   or torchao's Float8Linear (`perf.fp8_impl=torchao`).
-- `CudaGraph`: a callable captured once and replayed; the trainer captures its whole optimizer step
-  (parallel.strategy=ddp, whose weights, gradient buffers and optimizer state never move).
+- `CudaGraph`: a callable captured once and replayed; `GraphedStep`: the trainer's whole optimizer step as one
+  (parallel.strategy=ddp, whose weights, gradient buffers and optimizer state never move), fed from static buffers.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from flux_train.data import DataError
 from flux_train.kernels.fp8 import convert_to_fp8, device_e4m3
 from flux_train.model import block_stacks, is_token_linear
 
@@ -149,3 +150,34 @@ class CudaGraph:
     def __call__(self) -> Any:
         self.graph.replay()
         return self.output
+
+
+class GraphedStep:
+    """perf.cuda_graphs: an optimizer step as one CUDA graph (every micro-batch's forward and backward, the gradient
+    reduction, clipping, AdamW, the weight all-gathers) with no host work between kernels. `body(static)` runs the
+    step on a list of (inputs, target) micro-batches; it is captured at the first call -- in the warm-up, at lr 0,
+    where the capture's eager run and the replay change no weight -- on copies of that call's micro-batches, and
+    each later call copies its micro-batches into those static buffers and replays it."""
+
+    def __init__(self, body: Callable[[list[tuple[dict, torch.Tensor]]], tuple[torch.Tensor, torch.Tensor]]):
+        self.body = body
+        self.graph: CudaGraph | None = None
+        self.static: list[tuple[dict, torch.Tensor]] = []
+
+    def __call__(self, staged: list[tuple[dict, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graph is None:
+            self.static = [({k: v.clone() for k, v in inputs.items()}, target.clone()) for inputs, target in staged]
+            self.graph = CudaGraph(lambda: self.body(self.static))
+        else:
+            for (inputs, target), (static_inputs, static_target) in zip(staged, self.static):
+                for k, v in inputs.items():
+                    if v.shape != static_inputs[k].shape:
+                        raise DataError(
+                            f"perf.cuda_graphs: batch input '{k}' has shape {tuple(v.shape)}, the captured "
+                            f"graph {tuple(static_inputs[k].shape)} (perf.warmup_latent_size and the empty "
+                            "encodings' text length must match the data)"
+                        )
+                    static_inputs[k].copy_(v)
+                static_target.copy_(target)
+        loss_sum, grad_norm = self.graph()
+        return loss_sum.clone(), grad_norm.clone()

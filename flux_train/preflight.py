@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from flux_train.checkpoint import checkpoint_dir
-from flux_train.config import Config, load_config
+from flux_train.config import Config, ConfigError, load_config
 from flux_train.errors import Parser, UserError, reports_user_errors
 from flux_train.heartbeat import node_name
+from flux_train.model import build_model, count_params
 from flux_train.plan import checkpoint_disk_gb
 
 # a worker's own CUDA context and allocator reserve; more in use before the run allocates means another process
@@ -107,6 +108,33 @@ def bus_bandwidth(device: torch.device, size_mb: int, iters: int = 5) -> tuple[f
     per_op = (time.perf_counter() - t1) / iters
     busbw = 2 * (world - 1) / max(world, 1) * x.numel() * 4 / per_op / 1e9
     return busbw, time.perf_counter() - t0
+
+
+def check_inputs(cfg: Config, device: torch.device, world_size: int) -> None:
+    """Inputs that would otherwise fail after init_start, or after minutes of building: one line each (on every
+    run, pre-flight or not)."""
+    if cfg.data.source == "energon" and cfg.data.path and not Path(cfg.data.path).is_dir():
+        what = "is a file, not a folder" if Path(cfg.data.path).exists() else "does not exist here"
+        raise ConfigError(
+            f"data.path {cfg.data.path} {what}; point it at the prepared dataset (python -m dataprep) or use "
+            "data.source=synthetic"
+        )
+    if device.type == "cuda" and cfg.perf.attention in ("flash", "cudnn"):
+        if cfg.train.compute_dtype == "float32":
+            raise ConfigError(
+                f"perf.attention={cfg.perf.attention} needs train.compute_dtype=bfloat16 (it has no fp32 "
+                "kernel); set perf.attention=auto for fp32 runs"
+            )
+    if cfg.perf.cuda_graphs and device.type != "cuda":
+        raise ConfigError("perf.cuda_graphs needs a GPU; set perf.cuda_graphs=false on the CPU")
+    if device.type == "cpu":
+        need = count_params(build_model(cfg.model)) * 16 * world_size  # weights, grads, AdamW, fp32
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > have:
+            raise ConfigError(
+                f"model {cfg.model.flavor} needs ~{need / 2**30:.0f} GiB on the CPU, this host has "
+                f"{have / 2**30:.0f} GiB; use GPUs (train.device=cuda) or configs/debug.yaml"
+            )
 
 
 def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) -> float:

@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import IO, Callable
 
 import torch.distributed as dist
+import yaml
 
 from dataprep.folder_lock import LOCK_FILE, FolderLockError, lock_folder
 from flux_train import checkpoint
 from flux_train.config import Config, ConfigError
 from flux_train.errors import StorageError, UserError, raise_on_every_rank
+from flux_train.masking import masked
 from flux_train.mllog import C, parse, read_records, samples_count
 from flux_train.report import METRICS_FILE, REPORT_FILE
 
@@ -62,7 +64,7 @@ def _claim(cfg: Config, world_size: int) -> Claim:
         raise ConfigError(str(exc)) from None
     resume_from = checkpoint.resolve_resume(cfg, world_size)
     gbs = cfg.train.global_batch_size
-    step = checkpoint.read_progress(resume_from)["step"] if resume_from else None
+    step = checkpoint.read_progress(resume_from).step if resume_from else None
     resume_samples = None if step is None else step * gbs
     if cfg.checkpoint.resume != "none" and finished(read_records(log), resume_samples, cfg.train.max_steps * gbs):
         raise ConfigError(
@@ -140,3 +142,12 @@ def cut_back(path: Path, position: Callable[[str], int | None], limit: int) -> N
         os.replace(tmp, path)
     except OSError as exc:
         raise StorageError(f"writing {path} failed ({exc})") from None
+
+
+def write_config(cfg: Config) -> None:
+    """The run's resolved config as config.yaml in its folder, secrets masked (env.masked_vars)."""
+    config_file = Path(cfg.logging.out_dir) / "config.yaml"
+    try:
+        config_file.write_text(yaml.safe_dump(masked(cfg).to_dict(), sort_keys=False))
+    except OSError as exc:
+        raise StorageError(f"writing {config_file} failed ({exc})") from None

@@ -7,12 +7,14 @@ import time
 
 import pytest
 import torch
+from dataclasses import replace
 
 from flux_train import checkpoint
 from flux_train.config import load_config
 from flux_train.diffusers_adapter import diffusers_inputs
 from flux_train.kernels import RMSNorm
 from flux_train.results import read_events
+from flux_train.train_state import TrainState
 from flux_train.preemption import EXIT_CODE as EXIT_PREEMPTED
 from run_outputs import column, losses, train, train_command
 
@@ -100,13 +102,13 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
         training.assign_weights(reference_init(model, 0, "cpu"))
         monkeypatch.setattr(checkpoint.dcp, "save", dying_save)
         with pytest.raises(KeyboardInterrupt):
-            checkpoint.Checkpointer(root, keep=5).save(6, training, {}, {"step": 6, "eval_count": 0, "world_size": 1})
+            checkpoint.Checkpointer(root, keep=5).save(replace(TrainState.of_run(cfg, 1), step=6), training, {})
         monkeypatch.undo()
         assert (root / "step_00000006.tmp").is_dir()
         latest = checkpoint.resolve_resume(cfg, 1)
         assert latest.name == "step_00000004"
-        progress, loader = checkpoint.load(latest, training)
-        assert progress["step"] == 4 and loader == {"consumed": 4}
+        state, loader = checkpoint.load(latest, training)
+        assert state.step == 4 and loader == {"consumed": 4}
     finally:
         dist.destroy_process_group()
     # and a real resume continues from step 4

@@ -422,3 +422,20 @@ def test_a_log_named_as_another_run_file_is_refused_before_the_folder_is_made(tm
         "config error: logging.mllog_file: .lock is another file of the run folder; name the log mllog.log\n"
     )
     assert not out.exists()
+
+
+def test_a_checkpoint_past_a_lowered_step_cap_is_refused_before_init_start(runs, tmp_path, capsys):
+    """train.max_steps lowered below the newest checkpoint's step: refused naming both (it used to run nothing and
+    end 'aborted' with exit 0), nothing in the folder changed."""
+    out = copy_of(runs, tmp_path)
+    at = checkpoint.read_progress(newest(out)).step
+    before = snapshot(out)
+    assert (
+        train.main(
+            ["--config", "configs/debug.yaml", *flags(train__max_steps=at - 1), "--set", f"logging.out_dir={out}"]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"is at step {at}, past train.max_steps {at - 1}" in err, err
+    assert snapshot(out) == before  # mllog.log included: no init_start was written

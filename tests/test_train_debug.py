@@ -2,6 +2,7 @@
 compliance checker, and its terminal holds the metrics lines, not MLLOG's JSON or warnings meaning nothing."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ from PIL import Image
 
 from flux_train.results import read_events
 from flux_train.train import main
-from run_outputs import column, metrics, train
+from run_outputs import column, metrics, set_flags, train, train_command
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +223,37 @@ def test_out_of_memory_ends_in_one_line_naming_the_fix(monkeypatch, capsys, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert code == train_module.EXIT_OUT_OF_MEMORY and len(err) == 1
     assert err[0].startswith("out of GPU memory on rank 0") and "train.micro_batch_size" in err[0]
+
+
+def test_the_progress_bar_shows_a_finite_training_loss_through_evals(tmp_path):
+    """On a terminal, the bar's loss is the last training loss, also after an eval (whose row has none: the bar
+    showed loss=nan from the first eval on, which reads as divergence), and the val loss beside it."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import select
+    import struct
+    import termios
+
+    parent, child = pty.openpty()  # the bar is drawn only when stderr is a terminal, as wide as the terminal
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    flags = set_flags(["train.max_steps=6", "eval.every_steps=2", "logging.log_every=1", "checkpoint.every_steps=0"])
+    proc = subprocess.Popen(train_command(tmp_path, *flags), stdout=subprocess.DEVNULL, stderr=child)
+    os.close(child)
+    drawn = b""
+    while True:
+        ready, _, _ = select.select([parent], [], [], 120)
+        try:
+            chunk = os.read(parent, 65536) if ready else b""
+        except OSError:  # the child closed its end
+            chunk = b""
+        if not chunk:
+            break
+        drawn += chunk
+    assert proc.wait(timeout=60) == 0, drawn[-2000:]
+    shown = re.findall(rb"\bloss=([^,\] ]+)", drawn)
+    vals = re.findall(rb"val_loss=([^,\] ]+)", drawn)
+    assert shown and vals, drawn[-2000:]
+    assert all(math.isfinite(float(v)) for v in shown + vals), shown
+    assert float(shown[-1]) == pytest.approx(column(tmp_path, "loss")[-1], abs=1e-4)
