@@ -29,7 +29,7 @@ from flux_train.model import block_stacks, is_token_linear
 def preferred_attention(device: torch.device) -> str:
     """The SDPA backend measured fastest for Flux's attention (24 heads x 512 tokens x 128, bf16) on this GPU:
     cuDNN on Hopper (H200, torch 2.11 + cuDNN 9 for CUDA 13: forward+backward 0.66 ms against flash's 1.00,
-    and half the attention time of a training step; README "Performance"), flash elsewhere (ROCm's flash is
+    and half the attention time of a training step; docs/performance.md "Performance"), flash elsewhere (ROCm's flash is
     its own kernels; cuDNN is NVIDIA's; other NVIDIA GPUs are not measured)."""
     if torch.version.hip or torch.cuda.get_device_capability(device) != (9, 0):
         return "flash"
