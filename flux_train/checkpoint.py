@@ -184,6 +184,20 @@ def resolve_resume(cfg, world_size: int) -> Path | None:
     return None
 
 
+def checkpoint_bytes(cfg) -> float:
+    """One checkpoint's size: the weights (ddp: in the compute dtype, written once; fsdp: fp32) and the fp32 AdamW
+    moments (and ddp's fp32 master weights)."""
+    from flux_train.model import param_count
+
+    weights = getattr(torch, cfg.train.compute_dtype).itemsize + 4 if cfg.parallel.strategy == "ddp" else 4
+    return param_count(cfg.model) * (weights + 8)
+
+
+def checkpoint_disk_gb(cfg) -> float:
+    """Disk the checkpoint folder needs: checkpoint.keep complete checkpoints and the one being written."""
+    return checkpoint_bytes(cfg) * (cfg.checkpoint.keep + 1) / 1e9
+
+
 def remove_leftovers(root: Path) -> None:
     """Temporary folders of saves that were interrupted (a crash, a full disk): as large as a checkpoint."""
     for tmp in root.glob("step_*.tmp") if root.is_dir() else ():

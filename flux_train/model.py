@@ -17,6 +17,9 @@ and then sharded, so the initial weights do not depend on the number of ranks or
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import math
 from typing import Iterable, Iterator
 
@@ -382,3 +385,13 @@ def flops_per_sample(mcfg: ModelConfig, text_len: int, image_tokens: int) -> flo
         + h * h
     )
     return 3.0 * (block_matmul + attention_flops + io + 2 * per_sample_weights)
+
+
+@functools.lru_cache
+def _param_count(model_json: str) -> int:
+    return count_params(build_model(ModelConfig(**json.loads(model_json))))
+
+
+def param_count(mcfg: ModelConfig) -> int:
+    """The parameter count of the model `mcfg` builds, from the model built on the meta device (once per model)."""
+    return _param_count(json.dumps(dataclasses.asdict(mcfg)))

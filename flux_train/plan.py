@@ -28,8 +28,6 @@ Per GPU, with P parameters, S GPUs sharing the optimizer state (a node) and R re
 from __future__ import annotations
 
 import copy
-import dataclasses
-import functools
 import json
 import math
 import statistics
@@ -43,14 +41,14 @@ from flux_train.bench import precision_of, read_rows
 from flux_train.config import (
     EVAL_SAMPLES,
     Config,
-    ModelConfig,
     accumulation_steps,
     eval_interval_steps,
     load_config,
     mesh_shape,
 )
 from flux_train.errors import Parser, UserError, positive_int, positive_number, reports_user_errors
-from flux_train.model import build_model, count_params, flops_per_sample
+from flux_train.checkpoint import checkpoint_bytes, checkpoint_disk_gb
+from flux_train.model import flops_per_sample, param_count
 from flux_train.parallel import reduce_dtype
 from flux_train.private_apis import rcp_records
 from flux_train.results import BENCHMARK, RULESET, USAGE
@@ -139,16 +137,6 @@ def step_setup(row: dict) -> tuple | None:
     return tuple(row["blocks"]), row["world"], row["batch"], row["accum"], row["strategy"], row["precision"]
 
 
-@functools.lru_cache
-def _count_params(model_json: str) -> int:
-    return count_params(build_model(ModelConfig(**json.loads(model_json))))
-
-
-def params_of(cfg: Config) -> int:
-    """The model's parameter count, from the model built on the meta device (once per model)."""
-    return _count_params(json.dumps(dataclasses.asdict(cfg.model)))
-
-
 def row_config(cfg: Config, row: dict) -> Config:
     """The config a bench row measured: the planned model's width at the row's depth, one node of its GPUs, its
     micro-batch, accumulation, layout and precision."""
@@ -206,25 +194,16 @@ class Notes:
         return found[0]
 
 
-def checkpoint_bytes(cfg: Config) -> float:
-    """One checkpoint: the weights (ddp: in the compute dtype, written once; fsdp: fp32) and the fp32 AdamW moments
-    (and ddp's fp32 master weights)."""
-    weights = getattr(torch, cfg.train.compute_dtype).itemsize + 4 if cfg.parallel.strategy == "ddp" else 4
-    return params_of(cfg) * (weights + 8)
-
-
-def checkpoint_disk_gb(cfg: Config) -> float:
-    """Disk the checkpoint folder needs: checkpoint.keep complete checkpoints and the one being written."""
-    return checkpoint_bytes(cfg) * (cfg.checkpoint.keep + 1) / 1e9
-
-
 def activation_figure(cfg: Config, figs: Figures) -> tuple[float, str] | None:
     """GiB per sample and block: one-GPU forward+backward rows' peak less their bf16 weights."""
     precision = precision_of("ours", cfg)
     rows, where = figs.rows("fwdbwd", lambda r: r["precision"] == precision and "peak_gib" in r, any_kind=True)
     if not rows:
         return None
-    per = [(r["peak_gib"] - 2 * params_of(row_config(cfg, r)) / GIB) / (r["batch"] * sum(r["blocks"])) for r in rows]
+    per = [
+        (r["peak_gib"] - 2 * param_count(row_config(cfg, r).model) / GIB) / (r["batch"] * sum(r["blocks"]))
+        for r in rows
+    ]
     mean = statistics.fmean(per)
     return mean, f"{mean:.4f} GiB per sample and block, {len(per)} {precision} fwdbwd row(s) ({where})"
 
@@ -233,7 +212,7 @@ def memory(cfg: Config, figs: Figures, notes: Notes) -> dict:
     """Peak memory per GPU by layout, and whether it fits with the headroom kept free."""
     world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
     shards = mesh_shape(cfg.parallel, world, cfg.slurm.gpus_per_node)[1]
-    params, blocks = params_of(cfg), cfg.model.num_layers + cfg.model.num_single_layers
+    params, blocks = param_count(cfg.model), cfg.model.num_layers + cfg.model.num_single_layers
     width = getattr(torch, cfg.train.compute_dtype).itemsize
     if cfg.parallel.strategy == "ddp":  # replicated weights and gradient buffer; fp32 master and moments sharded
         state = 2 * width * params + 12 * params / shards
@@ -269,7 +248,7 @@ def step_parts(cfg: Config, figs: Figures, notes: Notes) -> dict:
     within its shard group and across replicas, of one optimizer step."""
     world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
     replicas, shards = mesh_shape(cfg.parallel, world, cfg.slurm.gpus_per_node)
-    accum, params = accumulation_steps(cfg, world), params_of(cfg)
+    accum, params = accumulation_steps(cfg, world), param_count(cfg.model)
     precision, batch = precision_of("ours", cfg), cfg.train.micro_batch_size
     rows, where = figs.rows("fwdbwd", lambda r: r["precision"] == precision)
     rate = None
@@ -331,7 +310,7 @@ def project(cfg: Config, figs: Figures, rcp: dict | None) -> dict:
         "layout": f"{cfg.parallel.strategy} {precision_of('ours', cfg)}",
         "micro_batch": mb,
         "accumulation": accum,
-        "params": params_of(cfg),
+        "params": param_count(cfg.model),
         "memory": memory(cfg, figs, notes),
     }
     stated = figs.figure("rate")
@@ -391,7 +370,9 @@ def checkpoint_plan(cfg: Config, figs: Figures, notes: Notes, step: float | None
         out["resume_s"] = size / (read[0] * 1e9)
     if cfg.checkpoint.async_save:
         shards = mesh_shape(cfg.parallel, world, cfg.slurm.gpus_per_node)[1]
-        staged = size - 12 * params_of(cfg) * (1 - 1 / shards)  # this GPU's part: weights and its optimizer shard
+        staged = size - 12 * param_count(cfg.model) * (
+            1 - 1 / shards
+        )  # this GPU's part: weights and its optimizer shard
         stage = notes.use("async staging", figs.figure("async_stage_gb_s"), f"not measured for {figs.kind}")
         first = figs.figure("async_first_save_gb_s")
         if stage is not None:
@@ -600,7 +581,7 @@ def _cells(p: dict) -> list[str]:
 
 def print_plan(config: str, cfg: Config, figs: Figures, rcp: dict, plans: list[dict], png: str) -> None:
     print(
-        f"flux-train plan: {config} on {figs.kind}; {cfg.model.flavor} {params_of(cfg) / 1e9:.3f} B parameters; "
+        f"flux-train plan: {config} on {figs.kind}; {cfg.model.flavor} {param_count(cfg.model) / 1e9:.3f} B parameters; "
         f"GBS {rcp['gbs']}: the RCPs ({rcp['rcp']}, {rcp['runs']} runs) converged in {rcp['mean'] / 1e6:.2f} M "
         f"samples on average ({rcp['low'] / 1e6:.2f}-{rcp['high'] / 1e6:.2f} M)\n"
     )
