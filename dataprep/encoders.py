@@ -1,6 +1,6 @@
 """The frozen encoders of the reference, from local paths only: Flux VAE (diffusers AutoencoderKL) posterior
 mean/logvar, T5 last hidden state (padded/truncated to 256 tokens), CLIP pooled output (77 tokens); and the
-command-line flags that name them (dataprep encode/empty-encodings, flux_train.sample)."""
+command-line flags that name them (dataprep encode/empty-encodings, flux_train.training.sample)."""
 
 from __future__ import annotations
 

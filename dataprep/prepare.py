@@ -2,7 +2,7 @@
 description of itself.
 
 Writes `.nv-meta/` (index.sqlite, .info.json, split.yaml with split parts train: train/.*, val: val/.*)
-and `dataset.yaml` = CrudeWebdataset (the data is cooked by flux_train.energon_data.cook), as `energon prepare
+and `dataset.yaml` = CrudeWebdataset (the data is cooked by flux_train.data.energon.cook), as `energon prepare
 --split-parts 'train:train/.*' --split-parts 'val:val/.*' --sample-type CrudeWebdataset` would; then
 `.nv-meta/flux_dataset.yaml` (format.METADATA): the sample shape, read from the first sample of each split,
 and the samples and shards per split.

@@ -108,7 +108,7 @@ class EvalConfig:
     batch_size: int = 16
     enabled: bool = True
     # a file of prompts (one a line): after each eval's MLLOG events rank 0 writes <out_dir>/samples/step_N.png, one
-    # 256x256 image per prompt (flux_train/sample.py; the last eval's after run_stop). Off by default: the grids of
+    # 256x256 image per prompt (flux_train/training/sample.py; the last eval's after run_stop). Off by default: the grids of
     # the other evals take time between run_start and run_stop. Needs sample_weights: a local FLUX.1-schnell folder
     # (vae/, text_encoder/, tokenizer/, text_encoder_2/, tokenizer_2/)
     sample_prompts: Optional[str] = None
@@ -143,7 +143,7 @@ class PerfConfig:
     # the whole optimizer step (micro-batches, reduction, AdamW, all-gathers) as one CUDA graph (ddp only)
     cuda_graphs: bool = False
     rmsnorm: Literal["auto", "triton", "torch"] = "auto"
-    # auto: in bf16 the backend measured fastest here, checked against flash (flux_train/perf.py); in fp32 torch's
+    # auto: in bf16 the backend measured fastest here, checked against flash (flux_train/training/perf.py); in fp32 torch's
     attention: Literal["flash", "efficient", "cudnn", "math", "auto"] = "auto"
     # delayed: one scale per tensor from an amax history (ours only); tensorwise: from the current amax;
     # rowwise: one scale per row (flux_train/kernels/fp8.py)
@@ -161,12 +161,12 @@ class PerfConfig:
 
 @dataclass
 class PreflightConfig:
-    # per-node checks and an all-reduce bandwidth probe before init_start (flux_train/preflight.py); the
+    # per-node checks and an all-reduce bandwidth probe before init_start (flux_train/training/preflight.py); the
     # submitter turns it on for Slurm runs
     enabled: bool = False
     gpu_name: str = ""  # a substring every GPU's name must contain, e.g. H200; empty: any
     # in the checkpoint and log folders; unset (null): what the plan says the checkpoints need,
-    # checkpoint.keep + 1 checkpoints of this model and layout (flux_train.plan)
+    # checkpoint.keep + 1 checkpoints of this model and layout (flux_train.tools.plan)
     min_free_disk_gb: Optional[float] = None
     min_bus_bandwidth_gbps: float = 0.0  # all-reduce bus bandwidth over all ranks
     probe_mb: int = 256
@@ -214,7 +214,7 @@ class SlurmConfig:
     # submitit's folder (pickles, per-node logs); %j is the job id; must be visible from every node
     folder: str = "runs/submitit/%j"
     # Slurm sends USR2 this long before the time limit: logging.log_every steps (workers act at the next logging
-    # step) + a checkpoint save + slack (flux_train/preemption.py)
+    # step) + a checkpoint save + slack (flux_train/training/preemption.py)
     signal_delay_s: int = 120
     # the job requeues itself at most this many times (preemptions and time limits alike)
     max_requeue: int = 10

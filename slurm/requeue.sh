@@ -1,4 +1,4 @@
-# The batch script's teardown, sourced right after srun on the batch host (flux_train/preemption.py has the
+# The batch script's teardown, sourced right after srun on the batch host (flux_train/training/preemption.py has the
 # whole contract): a node agent whose workers saved a checkpoint on Slurm's warning signal has created
 # $FLUX_REQUEUE_FLAG; requeue the job from here, where Slurm's client is. srun's exit status stays the job's.
 flux_rc=$?

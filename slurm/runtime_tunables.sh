@@ -1,6 +1,6 @@
 #!/bin/bash
 # Optional host tuning before a run, as AMD's flux submission does (runtime_tunables.sh) plus NVIDIA's page
-# cache drop. flux_train/launch.py runs it once per node when env.runtime_tunables=true. Every step is
+# cache drop. flux_train/cluster/launch.py runs it once per node when env.runtime_tunables=true. Every step is
 # optional: it prints "ok" or "skipped: <why>" (not root, tool missing, /proc/sys read-only in a container)
 # and the script always exits 0, so tuning never stops a job.
 # FLUX_TUNABLES_ROOT prefixes the /proc and /sys paths (the tests point it at a scratch tree).

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flux_train import bench
+from flux_train.tools import bench
 
 STOCK = {
     "mode": "fwdbwd",

@@ -9,13 +9,13 @@ import pytest
 import torch
 from dataclasses import replace
 
-from flux_train import checkpoint
+from flux_train.training import checkpoint
 from flux_train.config import load_config
-from flux_train.diffusers_adapter import diffusers_inputs
+from flux_train.model.diffusers_adapter import diffusers_inputs
 from flux_train.kernels import RMSNorm
-from flux_train.results import read_events
-from flux_train.train_state import TrainState
-from flux_train.preemption import EXIT_CODE as EXIT_PREEMPTED
+from flux_train.outputs.results import read_events
+from flux_train.training.train_state import TrainState
+from flux_train.training.preemption import EXIT_CODE as EXIT_PREEMPTED
 from run_outputs import column, losses, train, train_command
 
 pytestmark = pytest.mark.slow  # every test trains
@@ -89,8 +89,8 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
         raise KeyboardInterrupt("killed mid-save")
 
     import torch.distributed as dist
-    from flux_train.model import build_model, reference_init
-    from flux_train.parallel import build_mesh, build_training
+    from flux_train.model.flux import build_model, reference_init
+    from flux_train.training.parallel import build_mesh, build_training
 
     cfg = load_config("configs/debug.yaml", [f"logging.out_dir={out}", "data.source=synthetic"])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -139,7 +139,7 @@ def test_retention_keeps_last_k(tmp_path):
 def test_export_loads_with_diffusers_from_pretrained_and_reproduces_our_output(tmp_path, strategy):
     from diffusers import FluxTransformer2DModel
 
-    from flux_train.model import build_model
+    from flux_train.model.flux import build_model
 
     out = tmp_path / "run"
     run(
@@ -198,7 +198,10 @@ def test_init_from_an_exported_model_starts_where_it_ended(tmp_path):
     export = tmp_path / "export"
     argv = ["--config", "configs/debug.yaml", "--checkpoint", str(out / "checkpoints"), "--out", str(export)]
     done = subprocess.run(
-        [sys.executable, "-m", "flux_train.checkpoint", "export", *argv], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "flux_train.training.checkpoint", "export", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     # as a user runs it: one line saying what was written, and no notes from libraries (torchao's "Failed to
     # load" of kernels for other GPUs) that read as a failure

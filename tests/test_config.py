@@ -137,7 +137,7 @@ def test_empty_and_nonsensical_values_are_refused_in_one_line_naming_the_key(ove
 
 def test_an_unset_shell_variable_as_the_data_path_ends_the_run_in_one_line(capsys):
     """`--set data.path=$DATA` with DATA unset: not the debug fixture, not a traceback; exit 2 (reports_user_errors)."""
-    from flux_train.train import main
+    from flux_train.training.train import main
 
     assert main(["--config", "configs/systems/H200_08x08.yaml", "--set", "data.path="]) == 2
     assert capsys.readouterr().err == "config error: data.path: empty; give a value, or null to leave it unset\n"

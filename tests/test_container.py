@@ -1,4 +1,4 @@
-"""The check each node runs before its container starts (flux_train/container.py): one line naming the node and
+"""The check each node runs before its container starts (flux_train/cluster/container.py): one line naming the node and
 the fix for an engine that is missing, an image that is not there, a mount source that is not there, an rlimit
 the engine cannot set and a container that does not start, against the real podman (tests/containers.py); and
 config strings staying inert in it, with a stand-in engine that records what it is asked."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flux_train import container
+from flux_train.cluster import container
 from flux_train.config import load_config
 
 SYSTEM = "configs/systems/cpu_02x02.yaml"

@@ -1,4 +1,4 @@
-"""The energon side of flux_train.data on real datasets written by dataprep: the cooker, the train stream's
+"""The energon side of flux_train.data.sources on real datasets written by dataprep: the cooker, the train stream's
 order and exact resume, the val pass's exact coverage on any number of ranks, the empty encodings."""
 
 import io
@@ -29,8 +29,8 @@ from dataprep.format import (
     write_info,
 )
 from flux_train.config import DataConfig, load_config
-from flux_train.data import DataError
-from flux_train.energon_data import EnergonTrainStream, EnergonVal, build_energon, cook, val_counts
+from flux_train.data.sources import DataError
+from flux_train.data.energon import EnergonTrainStream, EnergonVal, build_energon, cook, val_counts
 from flux_train.private_apis import energon_shard_end
 from run_outputs import column, set_flags, train
 
@@ -117,7 +117,7 @@ RESUME = textwrap.dedent("""
     import json, sys, torch
     from pathlib import Path
     from flux_train.config import DataConfig
-    from flux_train.energon_data import EnergonTrainStream
+    from flux_train.data.energon import EnergonTrainStream
     path, state, workers = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     d = DataConfig(num_workers=workers, shuffle_buffer_size=10, max_samples_per_sequence=5)
     s = EnergonTrainStream(path, 1, 2, 3, d, 7)

@@ -24,7 +24,7 @@ from dataprep.convert import convert
 from dataprep.fixture import FixtureSpec, fixture_samples, save_arrow, write_arrow
 from dataprep.format import DataprepError, Shape, decode_bf16, encode_bf16
 from dataprep.prepare import prepare
-from flux_train.energon_data import FluxTaskEncoder
+from flux_train.data.energon import FluxTaskEncoder
 from processes import alive, children, maps
 from slurm_cluster import wait_for
 

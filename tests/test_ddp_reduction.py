@@ -8,8 +8,8 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from flux_train.config import load_config
-from flux_train.model import build_model
-from flux_train.parallel import build_mesh, build_training
+from flux_train.model.flux import build_model
+from flux_train.training.parallel import build_mesh, build_training
 
 WORLD = 4
 

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from flux_train import flow
-from flux_train.optim import lr_at
+from flux_train.model import flow
+from flux_train.training.optim import lr_at
 
 
 def test_loss_matches_float64_formula():

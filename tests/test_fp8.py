@@ -234,8 +234,8 @@ def test_fp8_conversion_swaps_only_the_token_linears_and_keeps_the_weights(impl)
     GEMM has K = batch) and leave parameter names and values as they were, so checkpoints do not change."""
     from torchao.float8.float8_linear import Float8Linear
 
-    from flux_train.model import build_model, materialize
-    from flux_train.perf import apply_fp8
+    from flux_train.model.flux import build_model, materialize
+    from flux_train.training.perf import apply_fp8
 
     model = materialize(build_model(TINY), torch.device("cpu"), seed=0)
     before = {n: p.clone() for n, p in model.named_parameters()}
@@ -257,7 +257,7 @@ def test_fp8_conversion_swaps_only_the_token_linears_and_keeps_the_weights(impl)
 
 
 def test_our_fp8_linears_carry_the_platform_format():
-    from flux_train.model import build_model, is_token_linear
+    from flux_train.model.flux import build_model, is_token_linear
 
     model = build_model(TINY)
     convert_to_fp8(model, "rowwise", torch.float8_e4m3fnuz, is_token_linear)

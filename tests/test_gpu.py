@@ -5,10 +5,10 @@ kernels' own tests (tests/test_kernels.py) run on a GPU or in Triton's CPU inter
 import pytest
 import torch
 
-from flux_train import flow
+from flux_train.model import flow
 from flux_train.config import ModelConfig
-from flux_train.model import build_model, materialize
-from flux_train.perf import CudaGraph, compile_blocks, select_attention_backend
+from flux_train.model.flux import build_model, materialize
+from flux_train.training.perf import CudaGraph, compile_blocks, select_attention_backend
 from run_outputs import column, set_flags, train
 
 pytestmark = pytest.mark.gpu
@@ -99,7 +99,7 @@ def test_attention_backend_is_selected_and_trains():
 def test_cudnn_attention_is_checked_and_chosen_on_hopper():
     """perf.attention=auto: on Hopper cuDNN's forward and backward at the flux shape match flash's, so auto picks
     it; in fp32 auto leaves the choice to torch."""
-    from flux_train.perf import attention_problem
+    from flux_train.training.perf import attention_problem
 
     device = torch.device("cuda")
     if torch.cuda.get_device_capability() != (9, 0):
@@ -175,7 +175,7 @@ def test_fp8_delayed_blocks_compiled_and_graphed_match_eager():
     written in the backward) and inside a CUDA graph train like the eager blocks: losses, gradients and the
     amax histories over three steps."""
     from flux_train.kernels.fp8 import FP8Scaling, convert_to_fp8
-    from flux_train.model import is_token_linear
+    from flux_train.model.flux import is_token_linear
 
     select_attention_backend("flash")
     runs = {}

@@ -1,4 +1,4 @@
-"""The per-node agent (flux_train/launch.py): environment profiles and their precedence, Slurm topology,
+"""The per-node agent (flux_train/cluster/launch.py): environment profiles and their precedence, Slurm topology,
 the USR2 and TERM relay to workers (also with two signals at once), the preemption exit contract, and a killed
 worker or SIGTERM ending a --local run."""
 
@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flux_train import launch, results
+from flux_train.cluster import launch
+from flux_train.outputs import results
 from processes import alive, parent, pid_with_env, pids_with_env
 from flux_train.config import load_config
 from run_outputs import set_flags
@@ -141,7 +142,7 @@ def test_relay_waits_until_each_worker_handles_usr2(tmp_path):
 # An agent-like process: rounds of SignalRelay around one long-lived worker that reports each signal it gets.
 DOUBLE_SIGNAL_AGENT = r"""
 import signal, subprocess, sys
-from flux_train import launch
+from flux_train.cluster import launch
 
 worker = subprocess.Popen([sys.executable, "-c", sys.argv[2]], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           start_new_session=True)
@@ -213,7 +214,7 @@ def test_two_sigterms_stop_a_running_agent_once(tmp_path):
         [
             sys.executable,
             "-m",
-            "flux_train.launch",
+            "flux_train.cluster.launch",
             "--local",
             "--config",
             SYSTEM,
@@ -259,7 +260,7 @@ def test_local_run_killed_worker_ends_it_naming_the_rank(tmp_path):
         [
             sys.executable,
             "-m",
-            "flux_train.submit",
+            "flux_train.cluster.submit",
             "--local",
             "--config",
             SYSTEM,
@@ -309,7 +310,17 @@ def local_run(tmp_path: Path, sets: dict, env: dict) -> subprocess.Popen:
         **sets,
     }
     return subprocess.Popen(
-        [sys.executable, "-m", "flux_train.submit", "--local", "--config", SYSTEM, "--nodes", "1", *set_flags(sets)],
+        [
+            sys.executable,
+            "-m",
+            "flux_train.cluster.submit",
+            "--local",
+            "--config",
+            SYSTEM,
+            "--nodes",
+            "1",
+            *set_flags(sets),
+        ],
         cwd=ROOT,
         env={**os.environ, "FLUX_TEST_MARKER": str(tmp_path), **env},
         stdout=subprocess.PIPE,
@@ -347,7 +358,7 @@ def test_local_run_masks_secrets_and_a_killed_agent_takes_its_workers_along(tmp_
         workers = pids_with_env(FLUX_TEST_MARKER=tmp_path, **SECRETS)
         assert len(workers) == 2  # the real values reach both workers
         agent = parent(workers[0])
-        assert b"flux_train.launch" in Path(f"/proc/{agent}/cmdline").read_bytes()
+        assert b"flux_train.cluster.launch" in Path(f"/proc/{agent}/cmdline").read_bytes()
         os.kill(agent, signal.SIGKILL)
         wait_for(lambda: not [pid for pid in workers if alive(pid)], 5, "the workers to end with their agent")
         out, err = proc.communicate(timeout=60)
@@ -393,7 +404,7 @@ def test_ctrl_c_stops_the_agent_with_one_line(tmp_path):
     """SIGINT (Ctrl-C) to the agent: the launcher stops the workers, and the agent says so in one line of its own
     (no traceback; the workers' KeyboardInterrupt is theirs, prefixed with their rank), exit 128 + 2."""
     agent = subprocess.Popen(
-        [sys.executable, "-m", "flux_train.launch", "--local", "--config", SYSTEM, "--set", "slurm.nodes=1"]
+        [sys.executable, "-m", "flux_train.cluster.launch", "--local", "--config", SYSTEM, "--set", "slurm.nodes=1"]
         + set_flags({"train.max_steps": 100000, "eval.enabled": "false", "logging.out_dir": tmp_path / "out"}),
         cwd=ROOT,
         env={**os.environ, "FLUX_TEST_MARKER": str(tmp_path)},
@@ -456,7 +467,7 @@ def test_local_launcher_run_with_evals_on_the_energon_fixture_passes_the_checker
         [
             sys.executable,
             "-m",
-            "flux_train.submit",
+            "flux_train.cluster.submit",
             "--local",
             "--config",
             SYSTEM,
@@ -495,7 +506,7 @@ def test_local_launcher_run_with_evals_on_the_energon_fixture_passes_the_checker
 
 def test_the_worker_leaves_with_the_trainers_exit_code():
     """The worker skips the interpreter's teardown (os._exit) but keeps train.main's code: 0, or 2 for a bad input."""
-    run = [sys.executable, "-m", "flux_train.worker", "--config", "configs/debug.yaml"]
+    run = [sys.executable, "-m", "flux_train.cluster.worker", "--config", "configs/debug.yaml"]
     ok = subprocess.run([*run, "--print-config"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "flavor: flux-debug" in ok.stdout
     bad = subprocess.run([*run, "--set", "train.lr=abc"], capture_output=True, text=True, timeout=120)

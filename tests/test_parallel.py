@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from flux_train.config import ParallelConfig
-from flux_train.parallel import mesh_shape
+from flux_train.training.parallel import mesh_shape
 from run_outputs import column, metrics, train, train_command
 
 ARGS = [
@@ -115,9 +115,9 @@ def test_compiled_blocks_keep_checkpoint_names_and_initial_weights(strategy):
     import torch.distributed as dist
 
     from flux_train.config import load_config
-    from flux_train.model import build_model, materialize, reference_init
-    from flux_train.parallel import build_mesh, build_training
-    from flux_train.perf import compile_blocks
+    from flux_train.model.flux import build_model, materialize, reference_init
+    from flux_train.training.parallel import build_mesh, build_training
+    from flux_train.training.perf import compile_blocks
 
     cfg = load_config("configs/debug.yaml", [f"parallel.strategy={strategy}"])
     plain = dict(materialize(build_model(cfg.model), torch.device("cpu"), seed=5).named_parameters())

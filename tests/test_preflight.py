@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from flux_train import preflight
+from flux_train.training import preflight
 from flux_train.config import load_config
 from run_outputs import train as run_train
 

@@ -37,7 +37,7 @@ DOCUMENTS = {f.name for f in FILES if f.suffix == ".md"}
 
 def test_the_walk_sees_the_repository():
     names = {f.relative_to(ROOT).as_posix() for f in FILES}
-    assert {"README.md", "flux_train/train.py", "docs/benchmark.md", "configs/debug.yaml"} <= names
+    assert {"README.md", "flux_train/training/train.py", "docs/benchmark.md", "configs/debug.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -70,3 +70,35 @@ def test_references_resolve_inside_the_repository(path):
         elif not any(m.group(2) in h for h in headings(doc)):
             problems.append(f'refers to section "{m.group(2)}" of {m.group(1)}, which has no such heading')
     assert not problems, "\n".join(problems)
+
+
+# the package's groups, lowest first (docs/architecture.md): a module imports only from its own group or lower ones
+GROUPS = ["base", "kernels", "model", "data", "outputs", "training", "tools", "cluster", "commands"]
+COMMANDS = {"train", "submit", "bench", "plan", "sample", "results", "checkpoint", "reduce_precision"}
+
+
+def group_of(module: str) -> str:
+    parts = module.split(".")[1:]  # after flux_train
+    if len(parts) > 1 and parts[0] in GROUPS:
+        return parts[0]
+    if parts and parts[0] == "kernels":
+        return "kernels"
+    return "commands" if parts and parts[0] in COMMANDS else "base"
+
+
+def test_groups_import_only_downwards():
+    import ast
+
+    upward = []
+    for path in sorted((ROOT / "flux_train").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("flux_train"):
+                names = [f"{node.module}.{a.name}" if node.module == "flux_train" else node.module for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("flux_train")]
+            for name in names:
+                if GROUPS.index(group_of(name)) > GROUPS.index(group_of(module)):
+                    upward.append(f"{module} ({group_of(module)}) imports {name} ({group_of(name)})")
+    assert not upward, "\n".join(upward)

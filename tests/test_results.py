@@ -11,7 +11,7 @@ import pytest
 from matplotlib import image
 from mlperf_logging.rcp_checker import rcp_checker
 
-from flux_train import results
+from flux_train.outputs import results
 from run_outputs import set_flags, train
 
 pytestmark = pytest.mark.slow  # every test reads the training runs of the module fixture
@@ -172,7 +172,7 @@ def test_cli_exits_non_zero_naming_the_failing_and_unreadable_logs(runs, tmp_pat
         [
             sys.executable,
             "-m",
-            "flux_train.results",
+            "flux_train.outputs.results",
             str(runs / "run_1"),
             str(missing),
             str(garbage),
@@ -191,7 +191,7 @@ def test_cli_exits_non_zero_naming_the_failing_and_unreadable_logs(runs, tmp_pat
     assert any(str(empty) in e and "unreadable" in e for e in errors)
     assert "FAILED: opt_adamw_beta_1" in proc.stdout
     ok = subprocess.run(
-        [sys.executable, "-m", "flux_train.results", str(runs / "run_1"), "--out", str(tmp_path)],
+        [sys.executable, "-m", "flux_train.outputs.results", str(runs / "run_1"), "--out", str(tmp_path)],
         capture_output=True,
         text=True,
     )

@@ -19,7 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from flux_train import checkpoint, results, run_folder, train
+from flux_train.training import checkpoint, run_folder, train
+from flux_train.outputs import results
 from flux_train.config import load_config
 from run_outputs import column, events, losses, metrics, set_flags, train_command
 from run_outputs import train as run_train

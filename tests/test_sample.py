@@ -9,11 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from flux_train import sample, train
-from flux_train.checkpoint import read_weights
+from flux_train.training import sample, train
+from flux_train.training.checkpoint import read_weights
 from flux_train.config import load_config
-from flux_train.diffusers_adapter import to_diffusers
-from flux_train.results import read_events
+from flux_train.model.diffusers_adapter import to_diffusers
+from flux_train.outputs.results import read_events
 
 import run_outputs
 

@@ -36,7 +36,7 @@ def submit(tmp_path: Path, *args: str, env: dict | None = None, config: str = SY
         [
             sys.executable,
             "-m",
-            "flux_train.submit",
+            "flux_train.cluster.submit",
             "--config",
             config,
             "--nodes",
@@ -153,7 +153,7 @@ def uninterrupted_losses(tmp_path_factory) -> dict[int, float]:
         [
             sys.executable,
             "-m",
-            "flux_train.submit",
+            "flux_train.cluster.submit",
             "--local",
             "--config",
             SYSTEM,
@@ -425,7 +425,7 @@ def test_a_campaign_of_three_runs_trains_each_and_is_scored(slurm_cluster, tmp_p
     ]
     assert seeds[1] == seeds[0] + 1 and seeds[2] == seeds[0] + 2
     done = subprocess.run(
-        [sys.executable, "-m", "flux_train.results", str(tmp_path / "out"), "--json"],
+        [sys.executable, "-m", "flux_train.outputs.results", str(tmp_path / "out"), "--json"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from flux_train import container, preemption
-from flux_train import submit as sub
+from flux_train.cluster import container
+from flux_train.training import preemption
+from flux_train.cluster import submit as sub
 from run_outputs import set_flags
 
 SYSTEM = "configs/systems/cpu_02x02.yaml"
@@ -145,13 +146,21 @@ def test_the_plain_sbatch_script_passes_srun_flags_and_its_arguments_as_given(tm
     done = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     argv = json.loads((tmp_path / "srun.json").read_text())
-    assert argv == ["--kill-on-bad-exit=1", *flags, "python3", "-u", "-m", "flux_train.launch", *args]
+    assert argv == ["--kill-on-bad-exit=1", *flags, "python3", "-u", "-m", "flux_train.cluster.launch", *args]
     assert not canary.exists()
 
 
 def test_the_plain_sbatch_options_come_from_the_config():
     done = subprocess.run(
-        [sys.executable, "-m", "flux_train.preemption", "--config", SYSTEM, "--set", "slurm.signal_delay_s=90"],
+        [
+            sys.executable,
+            "-m",
+            "flux_train.training.preemption",
+            "--config",
+            SYSTEM,
+            "--set",
+            "slurm.signal_delay_s=90",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

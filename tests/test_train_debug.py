@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from flux_train.results import read_events
-from flux_train.train import main
+from flux_train.outputs.results import read_events
+from flux_train.training.train import main
 from run_outputs import column, metrics, set_flags, train, train_command
 
 
@@ -44,7 +44,7 @@ def test_report_png_draws_the_numbers_of_metrics_jsonl_and_tensorboard_has_them(
     rows = metrics(out)
     png = Image.open(out / "report.png")
     assert png.format == "PNG" and png.size == (900, 1000)
-    drawn = json.loads(png.text["flux_train.report"])  # the numbers the panels plot
+    drawn = json.loads(png.text["flux_train.outputs.report"])  # the numbers the panels plot
     assert drawn["target"] == 0.586
     assert drawn["val_loss"] == [[r["samples"], r["val_loss"]] for r in rows if "val_loss" in r]
     assert drawn["train_loss"] == [[r["step"] * 8, r["loss"]] for r in rows if "loss" in r]  # GBS 8
@@ -169,7 +169,7 @@ def test_non_finite_step_stops_the_run_there_and_keeps_the_last_good_checkpoint(
     """A NaN loss at step 5 (checkpoints every 2 steps, logging every 10): the run stops at step 5, before step 6's
     checkpoint could save the bad state; run_stop is aborted, the exit code 3, and the message names the step and
     the checkpoint to resume from."""
-    from flux_train import checkpoint
+    from flux_train.training import checkpoint
 
     out = tmp_path / "run"
     proc = train(
@@ -211,7 +211,7 @@ def test_non_finite_step_stops_the_run_there_and_keeps_the_last_good_checkpoint(
 def test_out_of_memory_ends_in_one_line_naming_the_fix(monkeypatch, capsys, tmp_path, error):
     """An out-of-memory anywhere in the run is one line with what to change, exit 5 (raised here in place of the
     GPU that CI does not have)."""
-    from flux_train import train as train_module
+    from flux_train.training import train as train_module
 
     def run(self):
         raise error

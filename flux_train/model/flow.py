@@ -96,7 +96,7 @@ def caption_dropout(
 
 @dataclass
 class ModelInputs:
-    """The model's keyword arguments (flux_train.model.FluxModel.forward)."""
+    """The model's keyword arguments (flux_train.model.flux.FluxModel.forward)."""
 
     img: torch.Tensor
     img_ids: torch.Tensor

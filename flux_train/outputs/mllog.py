@@ -73,7 +73,7 @@ class MLLogger:
             handler = _RaisingFileHandler(path)
         except OSError as exc:
             raise StorageError(f"writing {path} failed ({exc})") from None
-        logger = logging.getLogger("flux_train.mllog")  # ours, not mlperf-logging's (which prints to stdout)
+        logger = logging.getLogger("flux_train.outputs.mllog")  # ours, not mlperf-logging's (which prints to stdout)
         logger.setLevel(logging.INFO)
         logger.propagate = False
         for old in list(logger.handlers):  # an earlier run in this process

@@ -1,8 +1,8 @@
-"""One training worker, as the per-node agent (flux_train.launch) starts it once per GPU:
+"""One training worker, as the per-node agent (flux_train.cluster.launch) starts it once per GPU:
 
-    python -m flux_train.worker --config CONFIG
+    python -m flux_train.cluster.worker --config CONFIG
 
-flux_train.train's main, then an exit that skips the interpreter's teardown. A worker that has finished its
+flux_train.training.train's main, then an exit that skips the interpreter's teardown. A worker that has finished its
 work must not fail the job: at teardown, C++ objects that outlive destroy_process_group (gloo's threads,
 still referenced from FSDP's device mesh) can abort the process ("terminate called without an active
 exception", SIGABRT), which the agent would report as a failed worker and Slurm as a FAILED job. So once
@@ -18,13 +18,13 @@ import os
 import sys
 
 from dataprep.lifetime import die_with_parent
-from flux_train.launch import AGENT_PID_ENV
+from flux_train.cluster.launch import AGENT_PID_ENV
 
 
 def main() -> None:
     if AGENT_PID_ENV in os.environ:  # first, before the seconds torch takes to import: no worker outlives its agent
         die_with_parent(int(os.environ[AGENT_PID_ENV]))
-    from flux_train import train
+    from flux_train.training import train
 
     code = train.main(sys.argv[1:])
     logging.shutdown()

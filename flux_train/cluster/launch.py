@@ -1,16 +1,16 @@
 """Per-node agent: one per node (one Slurm task per node), inside the container when there is one.
 
-    python -m flux_train.launch --config CONFIG [--set section.key=value ...] [--local]
+    python -m flux_train.cluster.launch --config CONFIG [--set section.key=value ...] [--local]
 
-flux_train.submit runs the same agent through submitit (NodeAgent); slurm/flux.sbatch runs this command.
+flux_train.cluster.submit runs the same agent through submitit (NodeAgent); slurm/flux.sbatch runs this command.
 In order: export the environment profile (slurm/env/<profile>.env, socket interface, IB HCAs, env.vars;
 a variable already set in the job's environment is kept), point the compile caches at node-local disk,
 optionally run slurm/runtime_tunables.sh, then start one worker per GPU with torch's elastic launcher
 (static rendezvous on the job's first host: Slurm's node N is group rank N) running
-`python -m flux_train.worker` (the trainer). A failed worker ends this node with its rank, host and cause
+`python -m flux_train.cluster.worker` (the trainer). A failed worker ends this node with its rank, host and cause
 in the log; srun's --kill-on-bad-exit then ends the other nodes.
 
-Preemption and time limits (the contract: flux_train.preemption): Slurm's warning signal reaches this agent,
+Preemption and time limits (the contract: flux_train.training.preemption): Slurm's warning signal reaches this agent,
 which passes it on to its workers; they save a checkpoint and exit with preemption.EXIT_CODE; the agent then
 creates the flag file that the batch script's teardown turns into `scontrol requeue` on the host. SIGTERM
 (scancel, the end of the time limit) goes on to the workers as well, and the agent exits with 143.
@@ -36,17 +36,17 @@ import yaml
 from flux_train.config import Config, ConfigError, load_config, validate
 from flux_train.errors import Parser
 from flux_train.masking import mask_env
-from flux_train.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
-from flux_train.preemption import REQUEUE_FLAG_ENV, SIGNAL
+from flux_train.training.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+from flux_train.training.preemption import REQUEUE_FLAG_ENV, SIGNAL
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PROFILES = REPO / "slurm" / "env"
 TUNABLES = REPO / "slurm" / "runtime_tunables.sh"
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 # scratch folders that belong to this node: a value inherited from the submitting shell (a login node's path,
 # or the /tmp default torch writes into its own process's environment) is replaced; env.vars can still set them
 NODE_LOCAL_VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR")
-# the agent's pid, in its workers' environment: each worker ends when the agent does (flux_train.worker)
+# the agent's pid, in its workers' environment: each worker ends when the agent does (flux_train.cluster.worker)
 AGENT_PID_ENV = "FLUX_AGENT_PID"
 VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -332,7 +332,7 @@ def launch_config(cfg: Config, node: Node, worker_logs: Path):
 
 
 def worker_args(config_file: Path) -> list[str]:
-    return ["-u", "-m", "flux_train.worker", "--config", str(config_file)]
+    return ["-u", "-m", "flux_train.cluster.worker", "--config", str(config_file)]
 
 
 def describe_failure(err, host: str, worker_logs: Path) -> str:
@@ -358,7 +358,7 @@ def stopped_for_requeue(err) -> bool:
 
 
 def request_requeue(cfg: Config, node: Node) -> str:
-    from flux_train.checkpoint import checkpoint_dir
+    from flux_train.training.checkpoint import checkpoint_dir
 
     resume = cfg.checkpoint.resume
     if resume == "none":
@@ -372,7 +372,7 @@ def request_requeue(cfg: Config, node: Node) -> str:
         log(
             node,
             f"workers saved a checkpoint and stopped; no requeue hook (${REQUEUE_FLAG_ENV} is unset: not "
-            f"started by flux_train.submit or slurm/flux.sbatch): run the same command again; {after}",
+            f"started by flux_train.cluster.submit or slurm/flux.sbatch): run the same command again; {after}",
         )
         return "preempted"
     if node.restarts >= cfg.slurm.max_requeue:
@@ -446,7 +446,7 @@ class NodeAgent:
 
 
 def main(argv=None) -> int:
-    p = Parser(prog="python -m flux_train.launch", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m flux_train.cluster.launch", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML config (a system file from configs/systems/)")
     p.add_overrides()
     p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")

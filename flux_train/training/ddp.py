@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flux_train.config import TrainConfig
 from flux_train.kernels.adamw import adamw_hyper, adamw_step
-from flux_train.model import block_stacks, canonical_name
+from flux_train.model.flux import block_stacks, canonical_name
 
 ALIGN = 128  # elements: every parameter and every rank's slice of a bucket starts 256-byte aligned (bf16)
 

@@ -16,12 +16,12 @@ import torch.distributed as dist
 import yaml
 
 from dataprep.folder_lock import LOCK_FILE, FolderLockError, lock_folder
-from flux_train import checkpoint
+from flux_train.training import checkpoint
 from flux_train.config import Config, ConfigError
 from flux_train.errors import StorageError, UserError, raise_on_every_rank
 from flux_train.masking import masked
-from flux_train.mllog import C, parse, read_records, samples_count
-from flux_train.report import METRICS_FILE, REPORT_FILE
+from flux_train.outputs.mllog import C, parse, read_records, samples_count
+from flux_train.outputs.report import METRICS_FILE, REPORT_FILE
 
 
 @dataclass

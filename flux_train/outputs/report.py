@@ -1,7 +1,7 @@
 """The run report: `report.png` in the run folder, drawn from its metrics.jsonl (rank 0, at every eval and at the
 end of a run): training loss, validation loss against the target, and samples/s per GPU, over training samples.
 
-The plotted numbers also travel inside the PNG (text chunk `flux_train.report`, JSON), so a reader (or a test)
+The plotted numbers also travel inside the PNG (text chunk `flux_train.outputs.report`, JSON), so a reader (or a test)
 can check them against metrics.jsonl without the run folder.
 """
 
@@ -16,7 +16,7 @@ from matplotlib.ticker import EngFormatter
 
 REPORT_FILE = "report.png"
 METRICS_FILE = "metrics.jsonl"
-PNG_KEY = "flux_train.report"
+PNG_KEY = "flux_train.outputs.report"
 
 
 def series(rows: list[dict], global_batch_size: int) -> dict[str, list[list[float]]]:

@@ -1,7 +1,7 @@
 """The Flux DiT in the reference's layout (black-forest-labs `flux`, torchtitan `experiments/flux`).
 
 Parameter names are the reference's, so a BFL checkpoint loads as it is and diffusers' layout is a rename
-away (flux_train.diffusers_adapter): double-stream blocks with fused `img_attn.qkv` / `txt_attn.qkv`,
+away (flux_train.model.diffusers_adapter): double-stream blocks with fused `img_attn.qkv` / `txt_attn.qkv`,
 single-stream blocks with `linear1` (q, k, v and the MLP input in one GEMM) and `linear2`, QK-RMSNorm,
 RoPE in fp32, the time/vector embedders and the final adaLN layer.
 

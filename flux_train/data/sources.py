@@ -1,4 +1,4 @@
-"""Data for the trainer: the batch contract and the synthetic source (flux_train/energon_data.py reads the real
+"""Data for the trainer: the batch contract and the synthetic source (flux_train/data/energon.py reads the real
 dataset through energon; dataprep/format.py owns the on-disk format).
 
 Batch contract, per micro-batch: t5 [B,L,4096] bf16, clip [B,768] bf16, mean/logvar [B,16,H,W] bf16; val
@@ -158,6 +158,6 @@ def build_data(cfg: Config, rank: int, world: int) -> DataSource:
     """rank/world are the data-parallel rank and size."""
     if cfg.data.source == "synthetic":
         return build_synthetic(cfg, rank, world)
-    from flux_train.energon_data import build_energon  # energon is needed only for real data
+    from flux_train.data.energon import build_energon  # energon is needed only for real data
 
     return build_energon(cfg, rank, world)

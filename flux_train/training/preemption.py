@@ -2,9 +2,9 @@
 comes back.
 
 1. Slurm sends SIGNAL (USR2) to every node's agent `slurm.signal_delay_s` seconds before the limit: sbatch's
-   `--signal`, which flux_train.submit sets and which, for the plain `sbatch slurm/flux.sbatch` path,
-   `python -m flux_train.preemption --config CONFIG` prints.
-2. The agent (flux_train.launch) passes it on to its workers. A worker notes it and acts at the next logging
+   `--signal`, which flux_train.cluster.submit sets and which, for the plain `sbatch slurm/flux.sbatch` path,
+   `python -m flux_train.training.preemption --config CONFIG` prints.
+2. The agent (flux_train.cluster.launch) passes it on to its workers. A worker notes it and acts at the next logging
    boundary (every logging.log_every steps, where the ranks agree on stopping without an extra sync): it
    saves a checkpoint and exits with EXIT_CODE.
 3. The agent sees its workers stop that way and creates the file named by $REQUEUE_FLAG_ENV.
@@ -27,7 +27,7 @@ from flux_train.errors import Parser, reports_user_errors
 SIGNAL = signal.SIGUSR2
 EXIT_CODE = 75  # EX_TEMPFAIL: saved a checkpoint on SIGNAL and stopped; the job requeues
 REQUEUE_FLAG_ENV = "FLUX_REQUEUE_FLAG"
-REQUEUE_SCRIPT = Path(__file__).resolve().parent.parent / "slurm" / "requeue.sh"
+REQUEUE_SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "requeue.sh"
 
 
 def sbatch_options(signal_delay_s: int) -> list[str]:
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from flux_train.config import load_config
 
     p = Parser(
-        prog="python -m flux_train.preemption",
+        prog="python -m flux_train.training.preemption",
         description="Print the sbatch options of the preemption contract for a config "
         "(for `sbatch $(...) slurm/flux.sbatch --config CONFIG`).",
     )

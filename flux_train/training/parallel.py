@@ -1,5 +1,5 @@
 """torch.distributed from the environment, the data-parallel mesh, and the training layouts: FSDP2/HSDP
-(`FSDPTraining`, here) or replicated weights with a sharded optimizer (flux_train.ddp.DDP).
+(`FSDPTraining`, here) or replicated weights with a sharded optimizer (flux_train.training.ddp.DDP).
 
 A run always has a process group (world size 1 when started without a launcher), so one code path
 shards, reduces and checkpoints whether it runs on one CPU or on many nodes.
@@ -21,10 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from flux_train.config import ParallelConfig, TrainConfig, mesh_shape
-from flux_train.ddp import DDP
-from flux_train.heartbeat import stragglers
-from flux_train.model import assign_weights, block_stacks
-from flux_train.optim import build_optimizer, clip_grad_norm, set_lr
+from flux_train.training.ddp import DDP
+from flux_train.training.heartbeat import stragglers
+from flux_train.model.flux import assign_weights, block_stacks
+from flux_train.training.optim import build_optimizer, clip_grad_norm, set_lr
 
 
 @dataclass
@@ -123,7 +123,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, param_
 
 class FSDPTraining:
     """`parallel.strategy: fsdp`: FSDP2 over the mesh, torch's fused AdamW on the sharded fp32 weights.
-    Same interface as flux_train.ddp.DDP (begin_step, start_micro_batch, finish_backward, step, ...)."""
+    Same interface as flux_train.training.ddp.DDP (begin_step, start_micro_batch, finish_backward, step, ...)."""
 
     strategy = "fsdp"
 

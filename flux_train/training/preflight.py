@@ -5,7 +5,7 @@ taken by another process), free disk where checkpoints and logs go, the dataset 
 Then every rank joins one all-reduce bandwidth probe over the whole allocation. Any failure ends every rank
 with one line per bad node naming the host, the reason and how to leave the node out.
 
-    torchrun --nproc_per_node=8 -m flux_train.preflight [--config CFG] [--set k=v]   # the probe alone
+    torchrun --nproc_per_node=8 -m flux_train.training.preflight [--config CFG] [--set k=v]   # the probe alone
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flux_train.checkpoint import checkpoint_dir, checkpoint_disk_gb
+from flux_train.training.checkpoint import checkpoint_dir, checkpoint_disk_gb
 from flux_train.config import Config, ConfigError, load_config
 from flux_train.errors import Parser, UserError, reports_user_errors
-from flux_train.heartbeat import node_name
-from flux_train.model import build_model, count_params
+from flux_train.training.heartbeat import node_name
+from flux_train.model.flux import build_model, count_params
 
 # a worker's own CUDA context and allocator reserve; more in use before the run allocates means another process
 IDLE_GPU_USED_GIB = 4.0
@@ -170,9 +170,9 @@ def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) 
 
 @reports_user_errors
 def main(argv=None) -> int:
-    from flux_train.parallel import init_distributed, shutdown
+    from flux_train.training.parallel import init_distributed, shutdown
 
-    ap = Parser(prog="python -m flux_train.preflight", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m flux_train.training.preflight", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/debug.yaml", help="the run's config (what to check)")
     ap.add_overrides()
     args = ap.parse_args(argv)

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flux_train import flow
+from flux_train.model import flow
 from flux_train.config import Config, eval_interval_steps
-from flux_train.parallel import all_reduce_sum
-from flux_train.report import REPORT_FILE, write_report
-from flux_train.train_state import TrainState
+from flux_train.training.parallel import all_reduce_sum
+from flux_train.outputs.report import REPORT_FILE, write_report
+from flux_train.training.train_state import TrainState
 
 
 def _reshard(model: nn.Module) -> None:
@@ -80,7 +80,7 @@ class Evaluator:
         self.out_dir = Path(cfg.logging.out_dir)
         self.sampler = None
         if cfg.eval.sample_prompts and trainer.dist.is_main:
-            from flux_train.sample import Sampler  # diffusers and the encoders only where samples are drawn
+            from flux_train.training.sample import Sampler  # diffusers and the encoders only where samples are drawn
 
             self.sampler = Sampler.for_run(cfg, trainer.device, trainer.dtype)
 
@@ -118,7 +118,7 @@ class Evaluator:
         self.report()
         if not self.cfg.eval.sample_prompts:
             return
-        from flux_train.sample import gathered_weights
+        from flux_train.training.sample import gathered_weights
 
         weights = gathered_weights(self.t.model)  # collective: the full weights on rank 0
         if self.sampler is not None:

@@ -21,9 +21,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from flux_train.data import DataError
+from flux_train.data.sources import DataError
 from flux_train.kernels.fp8 import convert_to_fp8, device_e4m3
-from flux_train.model import block_stacks, is_token_linear
+from flux_train.model.flux import block_stacks, is_token_linear
 
 
 def preferred_attention(device: torch.device) -> str:

@@ -1,0 +1,716 @@
+"""Throughput benchmark against stock diffusers, measured side by side on the same GPUs.
+
+    python -m flux_train.bench --mode fwdbwd --rows stock,ours,ours-fp8-tensorwise --json rows.jsonl
+    torchrun --nproc_per_node=2 -m flux_train.bench --mode step --rows stock,ours --profile --json rows.jsonl
+    python -m flux_train.bench --table rows.jsonl
+
+`--mode fwdbwd` (one GPU): forward + backward of the model with bf16 weights and no optimizer, at `--batch`.
+Rows: `stock-eager` / `stock` (diffusers FluxTransformer2DModel, eager / its regional compile), `ours` (the
+config's perf settings), `ours-fp8-<recipe>`, `torchao-fp8-<recipe>` (torchao's Float8Linear on our model),
+and ablations `ours-no-graphs`, `ours-no-compile`, `ours-torch-rmsnorm`.
+`--mode step` (any number of GPUs, under torchrun): a whole training step at train.micro_batch_size per GPU.
+Rows: `stock` (diffusers + FSDP2 per block, per-block compile, fused AdamW, clipping: what a user would
+assemble) and `ours` (our Trainer's own step with the config as given: strategy, FP8, graphs, `--accum`);
+`--profile` adds where the step's GPU time goes; the row also carries the eval rate (the trainer's evaluate
+path, val samples/s per GPU).
+
+Every row is one JSON line appended to `--json`; `--table FILE` prints them all: samples/s per GPU, TFLOP/s,
+MFU against the bf16 matmul ceiling measured in the same process, peak memory, the ratio to the stock row of
+the same mode and batch, and for step rows the step efficiency = step samples/s / one-GPU forward+backward
+samples/s of the same precision and micro-batch (an `ours` fwdbwd row in the same file). Run the rows of one
+comparison in one GPU session: the stock rows move several per cent from one machine to the next.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from flux_train.model import flow
+from flux_train.config import Config, load_config
+from flux_train.data.sources import synthetic_samples
+from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
+from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
+from flux_train.kernels.fp8 import FP8Scaling
+from flux_train.model.flux import build_model, flops_per_sample, init_weights, is_token_linear
+from flux_train.training.perf import (
+    CudaGraph,
+    apply_fp8,
+    compile_blocks,
+    select_attention_backend,
+    torch_default_attention,
+)
+
+FWDBWD_ROWS = (
+    "stock-eager",
+    "stock",
+    "ours",
+    "ours-fp8-delayed",
+    "ours-fp8-tensorwise",
+    "ours-fp8-rowwise",
+    "torchao-fp8-tensorwise",
+    "torchao-fp8-rowwise",
+    "ours-no-graphs",
+    "ours-no-compile",
+    "ours-torch-rmsnorm",
+)
+STEP_ROWS = ("stock", "ours")
+CAST_ROWS = ("ours-fp8-delayed", "ours-fp8-tensorwise")
+
+
+def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+def synthetic_inputs(cfg: Config, batch: int, text_len: int, latent: int) -> tuple[dict, torch.Tensor]:
+    """Our model's kwargs and a target on the GPU, from a synthetic batch through the trainer's own path."""
+    m = cfg.model
+    samples = synthetic_samples(batch, text_len, latent, latent, m.joint_attention_dim, m.pooled_projection_dim, 0)
+    samples = {k: v.cuda() for k, v in samples.items()}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    inputs, target = flow.build_inputs(
+        samples,
+        torch.rand(batch, device="cuda", generator=g),
+        g,
+        cfg.train.latent_shift,
+        cfg.train.latent_scale,
+        torch.bfloat16,
+    )
+    return inputs.as_kwargs(), target
+
+
+def timed(step, steps: int, warmup: int = 3) -> tuple[float, float]:
+    """(seconds per step, warm-up seconds): `steps` steps back to back between two synchronisations, as a
+    training loop runs them (the host queues the next step while the GPU works on this one)."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - t0
+    if dist.is_initialized():
+        dist.barrier()
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps, warm
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+# ------------------------------------------------------------------------------------ GPU time by kind
+
+# first match wins: attention kernels carry cutlass in their names, our AdamW kernel "adamw"; inductor names a
+# kernel after the ops it fused, so its dtype casts (FP8 ones included) say `_to_copy` and count with the copies,
+# while "fp8 casts" are the kernels that name amax or the FP8 types
+KERNEL_KINDS = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "sdpa")),
+    ("optimizer + clip", ("adamw", "adam", "multi_tensor", "foreach", "norm_kernel", "reduce_kernel", "lerp")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
+    ("fp8 casts", ("amax", "float8", "fp8", "cast_transpose")),
+    ("copies, dtype casts", ("chunk_cat", "split_with_sizes", "copy", "catarray")),
+    ("elementwise (triton)", ("triton",)),
+)
+
+
+def profile_breakdown(run, steps: int = 3, top: int = 25) -> tuple[dict, list]:
+    """ms per step of GPU kernel time by kind (KERNEL_KINDS + other), and the compute stream's idle time
+    (the step minus the union of non-NCCL kernels: exposed communication and CPU stalls); and the `top`
+    kernels by time, [name, kind, ms per step, launches per step], to say which kernel a kind's time is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1000 / steps
+    per_kernel: dict[str, list] = {}  # name -> [kind, ms, launches]
+    spans = []
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or e.time_range.end <= e.time_range.start:
+            continue
+        if e.name not in per_kernel:
+            name = e.name.lower()
+            kind = next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "other")
+            per_kernel[e.name] = [kind, 0.0, 0]
+        entry = per_kernel[e.name]
+        entry[1] += (e.time_range.end - e.time_range.start) / 1000
+        entry[2] += 1
+        if entry[0] != "nccl":
+            spans.append((e.time_range.start, e.time_range.end))
+    busy, end = 0.0, None
+    for s, e in sorted(spans):
+        if end is None or s > end:
+            busy, end = busy + (e - s), e
+        elif e > end:
+            busy, end = busy + (e - end), e
+    kinds = {k: 0.0 for k, _ in KERNEL_KINDS} | {"other": 0.0}
+    for kind, ms, _ in per_kernel.values():
+        kinds[kind] += ms
+    out = {k: round(v / steps, 1) for k, v in kinds.items()}
+    out["compute busy"] = round(busy / 1000 / steps, 1)
+    out["compute idle"] = round(wall_ms - busy / 1000 / steps, 1)
+    out["step (profiled)"] = round(wall_ms, 1)
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    return out, [[name[:120], kind, round(ms / steps, 2), count // steps] for name, (kind, ms, count) in ranked]
+
+
+# ------------------------------------------------------------------------------------ one GPU, fwd + bwd
+
+
+def stock_flux(cfg: Config, device: str):
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device(device):
+        return FluxTransformer2DModel(**diffusers_config(cfg.model))
+
+
+def fwdbwd_model(cfg: Config, row: str):
+    """(forward(kw) -> output, module, use CUDA graphs, FP8 delayed scaling or None) for a fwdbwd row."""
+    if row.startswith("stock"):
+        model = stock_flux(cfg, "cuda").to(torch.bfloat16)
+        if row == "stock":
+            model.compile_repeated_blocks(fullgraph=True)
+        return lambda kw: model(**diffusers_inputs(kw))[0], model, False, None
+    perf = cfg.perf
+    if "-fp8-" in row:
+        impl, _, recipe = row.partition("-fp8-")
+        perf = replace(perf, fp8=recipe, fp8_impl=impl)
+    perf = replace(
+        perf,
+        cuda_graphs=perf.cuda_graphs and row != "ours-no-graphs",
+        compile="none" if row == "ours-no-compile" else perf.compile,
+        rmsnorm="torch" if row == "ours-torch-rmsnorm" else perf.rmsnorm,
+    )
+    model = build_model(cfg.model, perf.rmsnorm)
+    model.to_empty(device="cuda")
+    init_weights(model, seed=0)
+    with torch.no_grad():  # leave the zero init so no branch is trivially zero
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    model.to(torch.bfloat16)
+    apply_fp8(model, perf.fp8, perf.fp8_impl, torch.device("cuda"), perf.fp8_amax_history)
+    scaling = FP8Scaling.of(model, torch.device("cuda"), perf.fp8_margin)
+    compile_blocks(model, perf.compile)
+    return lambda kw: model(**kw), model, perf.cuda_graphs, scaling
+
+
+def row_attention(cfg: Config, row: str) -> str:
+    """The SDPA backend a row runs with: torch's own choice for stock code, perf.attention for ours."""
+    return torch_default_attention() if row.startswith("stock") else select_attention_backend(cfg.perf.attention)
+
+
+def run_fwdbwd(cfg: Config, args, row: str) -> dict:
+    attention = row_attention(cfg, row)
+    kw, target = synthetic_inputs(cfg, args.batch, args.text_len, args.latent)
+    forward, module, graphs, scaling = fwdbwd_model(cfg, row)
+    params = list(module.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        loss = flow.mse_loss(forward(kw), target)
+        loss.backward()
+        if scaling is not None:  # what a training step adds: the next step's scales
+            scaling.update()
+        return loss.detach()
+
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        run = CudaGraph(step, warmup=2) if graphs else step
+        seconds, warm = timed(run, args.steps)
+    except torch.OutOfMemoryError:
+        return {"mode": "fwdbwd", "row": row, "batch": args.batch, "error": "out of memory"}
+    result = {
+        "mode": "fwdbwd",
+        "row": row,
+        "batch": args.batch,
+        "precision": precision_of(row, cfg),
+        "attention": attention,
+        "ms": round(seconds * 1000, 1),
+        "samples_s_per_gpu": round(args.batch / seconds, 2),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        "warm_s": round(warm, 1),
+    }
+    if args.profile:
+        result["profile"], result["top_kernels"] = profile_breakdown(run)
+    return result
+
+
+def precision_of(row: str, cfg: Config) -> str:
+    if "-fp8-" in row:
+        return "fp8 " + row.split("-fp8-")[1]
+    return "bf16" if row.startswith("stock") or cfg.perf.fp8 == "none" else f"fp8 {cfg.perf.fp8}"
+
+
+# ------------------------------------------------------------------------------------ FP8 casts alone
+
+
+def token_gemm_operands(cfg: Config, batch: int, text_len: int, image_tokens: int) -> dict[tuple[int, int], int]:
+    """{(rows, cols): count} of every operand one forward+backward casts to FP8: x [M,K], W [N,K] and dY [M,N]
+    of each of the blocks' token Linears (model.is_token_linear), M their tokens in the batch."""
+    model = build_model(cfg.model)
+    shapes: dict[tuple[int, int], int] = {}
+    for fqn, module in model.named_modules():
+        if not is_token_linear(fqn, module):
+            continue
+        tokens = batch * (text_len if ".txt_" in fqn else image_tokens if ".img_" in fqn else text_len + image_tokens)
+        n, k = module.weight.shape
+        for shape in ((tokens, k), (n, k), (tokens, n)):
+            shapes[shape] = shapes.get(shape, 0) + 1
+    return shapes
+
+
+def copy_rate() -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read and written (the bandwidth a cast can reach)."""
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / cuda_seconds(lambda: y.copy_(x), graphed=False)
+
+
+def cuda_seconds(fn, iters: int = 20, graphed: bool = True) -> float:
+    """GPU seconds per call of `fn`: its calls replayed from a CUDA graph (no host launch time between them), or
+    launched (a copy of a GiB is not launch-bound; captured, it ran at 2.8 of the 4.3 TB/s on an H200)."""
+    if not graphed:
+        return timed_events(lambda: [fn() for _ in range(iters)]) / iters
+    graph = CudaGraph(lambda: [fn() for _ in range(iters)], warmup=2)
+    return timed_events(graph) / iters
+
+
+def timed_events(run) -> float:
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+def run_casts(cfg: Config, args, row: str) -> dict:
+    """The FP8 cast kernel (kernels/fp8_cast.py) at every operand shape of one forward+backward at --batch: ms
+    per step against its byte floor at this GPU's copy rate. Delayed scaling moves 4 bytes per element (read bf16,
+    write both e4m3 layouts); current scaling (tensorwise) 6 (one more read for the amax)."""
+    from flux_train.kernels.fp8 import device_e4m3
+    from flux_train.kernels.fp8_cast import cast_transpose
+
+    fp8 = device_e4m3(torch.device("cuda"))
+    delayed = row == "ours-fp8-delayed"
+    rate = copy_rate()
+    shapes = token_gemm_operands(cfg, args.batch, args.text_len, (args.latent // 2) ** 2)
+    per_shape, total, floor = [], 0.0, 0.0
+    for (m, k), count in sorted(shapes.items()):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        scale = torch.full((), 1e-2 if delayed else 0.0, device="cuda")
+        amax = torch.zeros(1, device="cuda")
+        seconds = cuda_seconds(lambda: cast_transpose(x, scale, amax, fp8))
+        moved = (4 if delayed else 6) * m * k
+        per_shape.append([m, k, count, round(seconds * 1e6, 1), round(moved / seconds / 1e9)])
+        total += seconds * count
+        floor += moved / rate * count
+    return {
+        "mode": "casts",
+        "row": row,
+        "batch": args.batch,
+        "ms": round(total * 1000, 2),
+        "floor_ms": round(floor * 1000, 2),
+        "copy_tb_s": round(rate / 1e12, 2),
+        "shapes": per_shape,
+    }
+
+
+# ------------------------------------------------------------------------------------ training step
+
+
+def run_step(cfg: Config, args, row: str) -> dict:
+    world = dist.get_world_size()
+    mb = cfg.train.micro_batch_size
+    base = {"mode": "step", "row": row, "world": world, "batch": mb, "accum": args.accum}
+    try:
+        base["attention"] = row_attention(cfg, row)  # the trainer selects perf.attention again, the same way
+        if row == "stock":
+            seconds, warm, profile = stock_fsdp_step(cfg, args)
+            base |= {"precision": "bf16", "label": "stock diffusers + FSDP2 (per-block compile, fused AdamW)"}
+        else:
+            seconds, warm, profile, eval_rate = trainer_step(cfg, args)
+            base |= {
+                "precision": precision_of("ours", cfg),
+                "strategy": cfg.parallel.strategy,
+                "eval_samples_s_per_gpu": eval_rate,
+                "label": (
+                    f"ours {cfg.parallel.strategy}"
+                    + (" + graphs" if cfg.perf.cuda_graphs else "")
+                    + (f", accumulation {args.accum}" if args.accum > 1 else "")
+                ),
+            }
+    except torch.OutOfMemoryError:
+        return base | {"error": "out of memory"}
+    base |= {
+        "ms": round(seconds * 1000, 1),
+        "samples_s_per_gpu": round(mb * args.accum / seconds, 2),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        "warm_s": round(warm, 1),
+    }
+    if profile:
+        base["profile"], base["top_kernels"] = profile
+    return base
+
+
+def trainer_overrides(cfg: Config, args) -> list[str]:
+    """The bench's settings for the trainer, as --set overrides on top of the user's (validated again with them):
+    synthetic data of the bench's shapes, the global batch of one step at --accum, no checkpoints or resume."""
+    world, mb = dist.get_world_size(), cfg.train.micro_batch_size
+    samples = max(mb * 2, cfg.eval.batch_size * world * 4)
+    return [
+        "data.source=synthetic",
+        f"data.synthetic_text_len={args.text_len}",
+        f"data.synthetic_latent_size={args.latent}",
+        f"perf.warmup_latent_size={args.latent}",
+        f"data.synthetic_train_samples={samples}",
+        f"data.synthetic_val_samples={samples}",
+        f"train.global_batch_size={mb * world * args.accum}",
+        f"logging.out_dir={args.out_dir}",
+        "checkpoint.resume=none",
+        "checkpoint.every_steps=0",
+    ]
+
+
+def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, float]:
+    from flux_train.training.train import Trainer
+
+    trainer = Trainer(load_config(args.config, args.overrides + trainer_overrides(cfg, args)))
+    torch.cuda.reset_peak_memory_stats()
+    trainer.warm_up(max(trainer.cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
+    seconds, warm = timed(trainer.train_step, args.steps)
+    profile = profile_breakdown(trainer.train_step) if args.profile else None
+    trainer.evaluator.loss(0)  # warm: eval shapes compile once
+    torch.cuda.synchronize()
+    e0 = time.perf_counter()
+    _, count = trainer.evaluator.loss(0)
+    eval_rate = count / (time.perf_counter() - e0) / dist.get_world_size()
+    if args.checkpoint:
+        print("CHECKPOINT " + json.dumps(checkpoint_timings(trainer, args, seconds)), flush=True)
+    return seconds, warm, profile, round(eval_rate, 1)
+
+
+def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
+    """Seconds to save (blocking, and async: until training resumes, then until written), to load, and the step
+    time while an async save is being written, for this trainer's full state. Each figure is printed on rank 0
+    as it is measured (`CHECKPOINT key value`), so a run cut short by a time limit still reports what it got;
+    the GB/s rates carry the figures over to a larger model on the same disk."""
+    from pathlib import Path
+
+    from flux_train.training import checkpoint
+
+    out: dict = {"step_ms": round(step_seconds * 1000, 1)}
+
+    def report(key, value):
+        out[key] = value
+        if dist.get_rank() == 0:
+            print(f"CHECKPOINT {key} {value}", flush=True)
+
+    def clock(fn):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        return result, round(time.perf_counter() - t0, 2)
+
+    root = Path(args.checkpoint)
+    state = replace(trainer.state, step=1)
+    loader = trainer.data.train.state_dict()
+    blocking = checkpoint.Checkpointer(root / "sync", keep=1)
+    path, save_s = clock(lambda: blocking.save(state, trainer.training, loader))
+    size_gb = round(sum(f.stat().st_size for f in path.iterdir()) / 1e9, 1)
+    report("checkpoint_gb", size_gb)
+    report("save_s", save_s)
+    report("write_gb_per_s", round(size_gb / max(save_s, 1e-3), 2))
+    _, load_s = clock(lambda: checkpoint.load(path, trainer.training))
+    report("load_s", load_s)
+    report("read_gb_per_s", round(size_gb / max(load_s, 1e-3), 2))
+    shutil_rmtree(root / "sync")
+    background = checkpoint.Checkpointer(root / "async", keep=1, async_save=True)
+    _, first_s = clock(lambda: background.save(state, trainer.training, loader))
+    report("async_blocking_first_s", first_s)  # with the host buffers' allocation (pinned on a GPU host)
+    in_flight, _ = timed(trainer.train_step, args.steps, warmup=0)
+    report("step_ms_while_writing", round(in_flight * 1000, 1))
+    _, async_finish_s = clock(background.wait)
+    report("async_wait_after_steps_s", async_finish_s)
+    _, again_s = clock(lambda: background.save(replace(state, step=2), trainer.training, loader))
+    report("async_blocking_s", again_s)  # every later save: the buffers are reused
+    background.close()
+    shutil_rmtree(root / "async")
+    return out
+
+
+def shutil_rmtree(path) -> None:
+    """Remove a checkpoint folder once (rank 0) and wait for it."""
+    import shutil
+
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
+def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, tuple | None]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = stock_flux(cfg, "meta")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for stack in (model.transformer_blocks, model.single_transformer_blocks):
+        for i, block in enumerate(stack):
+            stack[i] = torch.compile(block, fullgraph=True)
+            fully_shard(stack[i], mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    kw, target = synthetic_inputs(cfg, cfg.train.micro_batch_size, args.text_len, args.latent)
+    kw = diffusers_inputs(kw)
+
+    def step():
+        loss = flow.mse_loss(model(**kw)[0], target)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    seconds, warm = timed(step, args.steps)
+    return seconds, warm, profile_breakdown(step) if args.profile else None
+
+
+# ------------------------------------------------------------------------------------ the table
+
+
+def print_table(rows: list[dict]) -> None:
+    """Rows of one or more bench runs: throughput, ratios to stock, step efficiency, profiles."""
+
+    def stock_for(r):
+        return next(
+            (
+                s
+                for s in rows
+                if s["mode"] == r["mode"]
+                and s["row"] == "stock"
+                and s["batch"] == r["batch"]
+                and s.get("blocks") == r.get("blocks")
+                and "error" not in s
+            ),
+            None,
+        )
+
+    def fwdbwd_for(r):
+        return next(
+            (
+                s
+                for s in rows
+                if s["mode"] == "fwdbwd"
+                and s["row"].startswith("ours")
+                and s["row"] not in ("ours-no-graphs", "ours-no-compile", "ours-torch-rmsnorm")
+                and s.get("precision") == r.get("precision")
+                and s["batch"] == r["batch"]
+                and s.get("blocks") == r.get("blocks")
+                and "error" not in s
+            ),
+            None,
+        )
+
+    print(
+        f"\n{'mode':6s} {'row':58s} {'batch':>5s} {'samples/s/GPU':>13s} {'MFU %':>6s} {'peak GiB':>8s} "
+        f"{'vs stock':>8s} {'step eff':>8s} {'eval/s/GPU':>10s}"
+    )
+    casts = [r for r in rows if r["mode"] == "casts"]
+    rows = [r for r in rows if r["mode"] != "casts"]
+    for r in rows:
+        name = r.get("label", r["row"]) + (f" [{r['precision']}]" if "precision" in r else "")
+        name += f" {r['attention']}" if r.get("attention") and not r["row"].startswith("stock") else ""
+        if "error" in r:
+            print(f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['error']}")
+            continue
+        stock, ref = stock_for(r), fwdbwd_for(r) if r["mode"] == "step" else None
+        ratio = f"{r['samples_s_per_gpu'] / stock['samples_s_per_gpu']:.2f}x" if stock else "-"
+        eff = f"{r['samples_s_per_gpu'] / ref['samples_s_per_gpu']:.2f}" if ref else "-"
+        mfu = 100 * r["samples_s_per_gpu"] * r["flops_per_sample"] / 1e12 / r["ceiling_tflops"]
+        print(
+            f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['samples_s_per_gpu']:13.2f} {mfu:6.1f} "
+            f"{r['peak_gib']:8.1f} {ratio:>8s} {eff:>8s} {r.get('eval_samples_s_per_gpu', '-'):>10}"
+        )
+    for r in casts:
+        print(
+            f"\nFP8 casts alone, {r['row']}, batch {r['batch']}: {r['ms']} ms per forward+backward, byte floor "
+            f"{r['floor_ms']} ms at {r['copy_tb_s']} TB/s ({r['ms'] / r['floor_ms']:.2f}x)"
+        )
+        for m, k, count, us, gbps in r["shapes"]:
+            print(f"  {m:6d} x {k:6d} x{count:4d}: {us:8.1f} us {gbps:6d} GB/s")
+    profiled = [r for r in rows if "profile" in r]
+    if profiled:
+        kinds = list(profiled[0]["profile"])
+        print("\nGPU time per step (ms), by kernel kind; idle = step - compute-stream busy")
+        print(
+            f"{'kind':28s}"
+            + "".join(f" {(r.get('label', r['row']) + ' ' + r.get('precision', ''))[:22]:>23s}" for r in profiled)
+        )
+        for kind in kinds:
+            print(f"{kind:28s}" + "".join(f" {r['profile'].get(kind, 0):23.1f}" for r in profiled))
+        for r in profiled:
+            print(
+                f"\ntop kernels, {r.get('label', r['row'])} {r.get('precision', '')}: ms/step launches/step kind name"
+            )
+            for name, kind, ms, count in r.get("top_kernels", []):
+                print(f"  {ms:9.2f} {count:6d} {kind[:12]:12s} {name[:90]}")
+
+
+def read_rows(path: str, flag: str = "--table") -> list[dict]:
+    """The rows of a --json file (for --table, and the planner's --measured)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: {exc.strerror}; give a file that --json wrote") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not (isinstance(row, dict) and {"mode", "row"} <= row.keys()):
+            raise UserError(f"{flag} {path}: line {n} is not a bench row; give a file that --json wrote")
+        rows.append(row)
+    return rows
+
+
+@reports_user_errors
+def main(argv=None) -> int:
+    p = Parser(prog="python -m flux_train.bench", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--config",
+        default="configs/bench.yaml",
+        help="the run config whose model and perf settings are measured (default: configs/bench.yaml)",
+    )
+    p.add_overrides()
+    p.add_argument(
+        "--mode",
+        choices=("fwdbwd", "step", "casts"),
+        default="fwdbwd",
+        help="fwdbwd: one GPU, forward+backward only; step: the whole training step under torchrun; casts: the "
+        "FP8 cast kernel alone at every operand shape of a step, against its byte floor",
+    )
+    p.add_argument(
+        "--rows",
+        default=None,
+        help=f"comma-separated rows; fwdbwd: {', '.join(FWDBWD_ROWS)} (default stock,ours); "
+        f"step: {', '.join(STEP_ROWS)} (default stock,ours); casts: {', '.join(CAST_ROWS)}",
+    )
+    p.add_argument(
+        "--batch", type=positive_int, default=16, help="fwdbwd batch (step mode uses train.micro_batch_size)"
+    )
+    p.add_argument("--text-len", type=positive_int, default=256, help="T5 tokens per sample (default 256)")
+    p.add_argument("--latent", type=positive_int, default=32, help="latent side (32 = 256x256 images)")
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=10,
+        help="timed steps per row, run back to back (the mean step is reported)",
+    )
+    p.add_argument(
+        "--accum",
+        type=positive_int,
+        default=1,
+        help="step mode: micro-batches per optimizer step for the ours row (the stock step has none)",
+    )
+    p.add_argument("--profile", action="store_true", help="add the GPU time per kernel kind to each row")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="step mode: also time a checkpoint save (blocking and async) and load of the trainer's state "
+        "in DIR (removed after)",
+    )
+    p.add_argument("--json", default=None, help="append each row as a JSON line to this file")
+    p.add_argument("--table", default=None, metavar="FILE", help="print the table of the rows in FILE and exit")
+    p.add_argument("--out-dir", default="runs/bench", help="the trainer's run folder in step mode")
+    args = p.parse_args(argv)
+    if args.table:
+        print_table(read_rows(args.table))
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    rows = (args.rows or (",".join(CAST_ROWS) if args.mode == "casts" else "stock,ours")).split(",")
+    known = {"fwdbwd": FWDBWD_ROWS, "step": STEP_ROWS, "casts": CAST_ROWS}[args.mode]
+    unknown = [r for r in rows if r not in known]
+    if unknown:
+        raise UserError(f"--rows: unknown row '{unknown[0]}' for --mode {args.mode}; choose from {', '.join(known)}")
+    if not torch.cuda.is_available():
+        raise UserError("python -m flux_train.bench measures GPUs and none is visible here (--table FILE needs none)")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.mode == "step" and not dist.is_initialized():
+        dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # each rank measures its own GPU
+    ceiling = matmul_ceiling()
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    flops = flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)
+    failed = []
+    for row in rows:
+        try:
+            result = {"fwdbwd": run_fwdbwd, "step": run_step, "casts": run_casts}[args.mode](
+                load_config(args.config, args.overrides), args, row
+            )
+        except Exception:
+            if args.mode == "step":  # the other ranks would wait in a collective: end them all
+                raise
+            # one GPU: every row builds its own model, so one that fails leaves the others to measure
+            traceback.print_exc()
+            print(f"ROW FAILED {row} (traceback above)", flush=True)
+            failed.append(row)
+            free_memory()
+            continue
+        result |= {
+            "blocks": [cfg.model.num_layers, cfg.model.num_single_layers],  # the depth, for the planner
+            "device": torch.cuda.get_device_name(),
+            "ceiling_tflops": round(ceiling, 1),
+            "flops_per_sample": flops,
+        }
+        if rank0:
+            print("ROW " + json.dumps(result), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(result) + "\n")
+        free_memory()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

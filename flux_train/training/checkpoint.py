@@ -1,0 +1,392 @@
+"""Checkpoints: DCP save/resume of model, optimizer and progress, per-rank loader state, atomic, last K kept;
+export of the model to a diffusers folder.
+
+Layout: <dir>/step_00001234/ holds the DCP shards of {"model", "optim"}, `loader_rank<r>.pt` per rank and
+`progress.pt` (flux_train.training.train_state: step, eval count, and the settings a resume must share: world size,
+strategy, global batch size, data source and loader workers). A save goes to `step_XXXX.tmp/` and is renamed once every rank has finished,
+so a crash mid-save leaves the previous checkpoint the latest valid one; a save that fails (a full disk) fails
+on every rank alike. No RNG state is needed: every random stream is seeded from (seed, step, micro-batch)
+(flow.seeded_generator).
+
+Resuming (`checkpoint.resume=auto`) takes the newest checkpoint that reads back whole and skips, naming them,
+the ones that do not (a shard cut short, missing metadata or loader state, an empty progress file), as a crash,
+a full disk or a copy cut short leaves them; one of another model or layout is refused before anything starts.
+
+With `checkpoint.async_save` a save copies the state to host memory and returns (on a GPU into pinned buffers
+that are kept for the next save: several times faster than pageable copies); the files are written by a
+background thread (over a gloo group of its own, so training's collectives are not shared with it) while
+training goes on, and the checkpoint is completed (renamed) when the next save starts or the run ends.
+
+    python -m flux_train.checkpoint export --config CFG --checkpoint DIR/step_00001234 --out FOLDER
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from flux_train.config import ConfigError, ModelConfig
+from flux_train.errors import Parser, StorageError, UserError, raise_on_every_rank, reports_user_errors
+from flux_train.training.train_state import TrainState
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+PROGRESS = "progress.pt"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be resumed from or exported; the message names it, why, and the fix."""
+
+    label = "checkpoint error"
+
+
+def checkpoint_dir(cfg) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.logging.out_dir) / "checkpoints")
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary `.tmp` folders of interrupted saves are ignored)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / PROGRESS).is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def last_good(root: Path) -> str:
+    """The sentence naming the checkpoint a failed run can be resumed from."""
+    found = list_checkpoints(root)
+    return (
+        f"the last good checkpoint is {found[-1]} (checkpoint.resume=auto picks it up)"
+        if found
+        else "no checkpoint was written before it"
+    )
+
+
+def _brief(exc: BaseException) -> str:
+    """An exception in a few words: the file it names, or its type and first line."""
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _failure(exc: CheckpointException) -> str:
+    """The first failure DCP gathered from its ranks, in a few words."""
+    return _brief(next(iter(exc.failures.values()))[0])
+
+
+def read_progress(path: Path) -> TrainState:
+    """A checkpoint's progress.pt; ValueError saying why when it is missing, empty or garbled."""
+    try:
+        progress = torch.load(path / PROGRESS, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch.load fails on a cut or garbled file in many ways
+        raise ValueError(f"{PROGRESS} is unreadable ({_brief(exc)})") from None
+    try:
+        return TrainState.from_progress(progress)
+    except ValueError as exc:
+        raise ValueError(f"{PROGRESS} {exc}") from None
+
+
+def unreadable(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from (None: every file it needs is there, whole): what a
+    crash, a full disk or a copy cut short leaves. Shard contents are not read, only their sizes."""
+    try:
+        progress = read_progress(path)
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except ValueError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - a missing or garbled .metadata
+        return f"its DCP metadata (.metadata) is missing or unreadable ({_brief(exc)})"
+    need: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have is None or have < size:
+            return f"{name} is {'missing' if have is None else f'cut short ({have} of {size} bytes)'}"
+    for rank in range(progress.world_size):
+        try:
+            torch.load(path / f"loader_rank{rank}.pt", weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            return f"the loader state of rank {rank} is missing or unreadable ({_brief(exc)})"
+    return None
+
+
+def model_mismatch(mcfg: ModelConfig, path: Path) -> str | None:
+    """How the model saved at `path` differs from the one `mcfg` builds (None: same names and shapes)."""
+    from flux_train.model.flux import build_model
+
+    saved = {
+        name.removeprefix("model."): tuple(meta.size)
+        for name, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+        if name.startswith("model.")
+    }
+    mine = {name: tuple(t.shape) for name, t in build_model(mcfg, rmsnorm_impl="torch").state_dict().items()}
+    for name in sorted(mine.keys() | saved.keys()):
+        if saved.get(name) != mine.get(name):
+            there, here = (f"{list(s)}" if s else "missing" for s in (saved.get(name), mine.get(name)))
+            return f"'{name}' is {there} there and {here} here (model.flavor {mcfg.flavor})"
+    return None
+
+
+def check_resumable(path: Path, cfg, world_size: int) -> None:
+    """Refuse, naming the difference and the fix, a checkpoint this run cannot continue exactly."""
+    saved = read_progress(path)
+    fix = "resume with the run's own settings, or start this one in a new logging.out_dir"
+    differences = TrainState.of_run(cfg, world_size).differences(saved)
+    if differences:
+        raise CheckpointError(f"checkpoint {path} was saved with {differences[0]}: {fix}")
+    if saved.step > cfg.train.max_steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {saved.step}, past train.max_steps {cfg.train.max_steps}: raise "
+            "train.max_steps to go on, or start over in a new logging.out_dir"
+        )
+    mismatch = model_mismatch(cfg.model, path)
+    if mismatch:
+        raise CheckpointError(f"checkpoint {path} holds another model: {mismatch}; {fix}")
+
+
+def resolve_resume(cfg, world_size: int) -> Path | None:
+    """`checkpoint.resume` (main rank only): auto = the newest checkpoint that reads back whole, each newer one it
+    skips named on stderr; none = fresh; else that folder. The one chosen is checked against this run."""
+    choice = cfg.checkpoint.resume
+    if choice == "none":
+        return None
+    if choice != "auto":
+        path = Path(choice)
+        why = unreadable(path)
+        if why:
+            raise CheckpointError(
+                f"checkpoint.resume={choice}: cannot resume from it: {why}; give a complete step_XXXXXXXX folder, "
+                "auto (the newest readable one in checkpoint.dir) or none"
+            )
+        check_resumable(path, cfg, world_size)
+        return path
+    found = list_checkpoints(checkpoint_dir(cfg))
+    for path in reversed(found):
+        why = unreadable(path)
+        if why is None:
+            check_resumable(path, cfg, world_size)
+            return path
+        print(f"flux-train: warning: skipped checkpoint {path}: {why}", file=sys.stderr, flush=True)
+    if found:
+        raise CheckpointError(
+            f"none of the {len(found)} checkpoints in {checkpoint_dir(cfg)} can be resumed from (above); restore one, "
+            "or set checkpoint.resume=none to start over (the logs of the earlier run are replaced)"
+        )
+    return None
+
+
+def checkpoint_bytes(cfg) -> float:
+    """One checkpoint's size: the weights (ddp: in the compute dtype, written once; fsdp: fp32) and the fp32 AdamW
+    moments (and ddp's fp32 master weights)."""
+    from flux_train.model.flux import param_count
+
+    weights = getattr(torch, cfg.train.compute_dtype).itemsize + 4 if cfg.parallel.strategy == "ddp" else 4
+    return param_count(cfg.model) * (weights + 8)
+
+
+def checkpoint_disk_gb(cfg) -> float:
+    """Disk the checkpoint folder needs: checkpoint.keep complete checkpoints and the one being written."""
+    return checkpoint_bytes(cfg) * (cfg.checkpoint.keep + 1) / 1e9
+
+
+def remove_leftovers(root: Path) -> None:
+    """Temporary folders of saves that were interrupted (a crash, a full disk): as large as a checkpoint."""
+    for tmp in root.glob("step_*.tmp") if root.is_dir() else ():
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _on_every_rank(what: Path, write: Callable[[], None], group=None) -> None:
+    """This rank's part of a save; when it fails on any rank every rank raises (none is left waiting in the next
+    collective), the main rank with the first failure named."""
+    try:
+        write()
+        error = None
+    except OSError as exc:
+        error = _brief(exc)
+    except CheckpointException as exc:  # DCP gathers the writers' failures and raises it on every rank
+        error = _failure(exc)
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = next((e for e in errors if e), None)
+    if failed:
+        if dist.get_rank() == 0:
+            shutil.rmtree(what.with_name(what.name + ".tmp"), ignore_errors=True)  # give the space back
+        raise_on_every_rank(StorageError(f"writing checkpoint {what} failed ({failed})"), dist.get_rank() == 0)
+
+
+class Checkpointer:
+    """Collective saves of a training layout (parallel.FSDPTraining or ddp.DDP) under `root`, last `keep` kept."""
+
+    def __init__(self, root: Path, keep: int, async_save: bool = False, every_steps: int = 0):
+        self.root, self.keep, self.async_save, self.every_steps = root, keep, async_save, every_steps
+        # the background writer's collectives run on a gloo group of their own
+        self.group = dist.new_group(backend="gloo") if async_save else None
+        self.pending: tuple | None = None  # (future, tmp folder, final folder, progress) of an async save
+        self.stager = None
+        if async_save and torch.cuda.is_available():
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+            # pinned host buffers, allocated at the first save and reused; the copy ends before save returns
+            # (DefaultStager with pinned memory failed at its second save with torch 2.11: KeyError <class 'type'>)
+            self.stager = BlockingAsyncStager(cache_staged_state_dict=True)
+
+    def due(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def save(self, state: TrainState, training, loader_state: dict) -> Path:
+        """Write a checkpoint of the current state; returns its final folder (complete on return unless async)."""
+        self.wait()
+        rank, progress = dist.get_rank(), state.to_progress()  # as of now: training goes on during an async save
+        final, tmp = self.root / f"step_{state.step:08d}", self.root / f"step_{state.step:08d}.tmp"
+
+        def start() -> None:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+
+        _on_every_rank(final, start)  # a collective: the folder exists for every rank after it
+        _on_every_rank(final, lambda: torch.save(loader_state, tmp / f"loader_rank{rank}.pt"))
+        if self.async_save:
+            future = dcp.async_save(
+                training.state_dict(), checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager
+            )
+            self.pending = (future, tmp, final, progress)
+        else:
+            _on_every_rank(final, lambda: dcp.save(training.state_dict(), checkpoint_id=str(tmp)))
+            self._complete(tmp, final, progress)
+        return final
+
+    def wait(self) -> Path | None:
+        """Finish an async save in flight (collective); returns its folder."""
+        if self.pending is None:
+            return None
+        future, tmp, final, progress = self.pending
+        self.pending = None
+        _on_every_rank(final, future.result, self.group)
+        self._complete(tmp, final, progress)
+        return final
+
+    def close(self) -> None:
+        """At the end of the run: the save in flight finished, the pinned buffers released."""
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+    def _complete(self, tmp: Path, final: Path, progress: dict) -> None:
+        def publish() -> None:
+            if dist.get_rank() == 0:
+                torch.save(progress, tmp / PROGRESS)  # written last: its presence marks a complete checkpoint
+                shutil.rmtree(final, ignore_errors=True)
+                tmp.rename(final)
+                for old in list_checkpoints(self.root)[: -self.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+
+        _on_every_rank(final, publish, self.group)  # also the barrier after which the checkpoint is complete
+
+
+def load(path: Path, training) -> tuple[TrainState, dict]:
+    """Collective: restores weights and optimizer in place; returns (its TrainState, this rank's loader state). The
+    checkpoint was checked before (resolve_resume); what fails here is garbled inside a shard."""
+    progress = read_progress(path)
+    state = training.state_dict()
+    fix = f"move it out of {path.parent}: checkpoint.resume=auto then takes the one before"
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as exc:  # raised on every rank alike
+        error = CheckpointError(f"checkpoint {path} could not be read ({_failure(exc)}); {fix}")
+        raise_on_every_rank(error, dist.get_rank() == 0)
+    training.load_state_dict(state)
+    try:
+        loader = torch.load(path / f"loader_rank{dist.get_rank()}.pt", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a cut or garbled file fails in many ways
+        raise CheckpointError(f"checkpoint {path}: the loader state could not be read ({_brief(exc)}); {fix}") from None
+    return progress, loader
+
+
+def find_checkpoint(path: Path) -> Path | None:
+    """`path` if it is a complete checkpoint, else the latest complete one in it; None if there is none."""
+    if (path / PROGRESS).is_file():
+        return path
+    found = list_checkpoints(path)
+    return found[-1] if found else None
+
+
+def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A DCP checkpoint's model weights (our layout), read in one process (no GPU, no process group). fsdp runs
+    save fp32 weights, ddp runs their bf16 copy (the fp32 master is sharded by flat position, not by tensor)."""
+    from flux_train.model.flux import build_model
+
+    why = unreadable(checkpoint)
+    if why:
+        raise CheckpointError(f"checkpoint {checkpoint} cannot be read: {why}; give another step_XXXXXXXX folder")
+    mismatch = model_mismatch(cfg.model, checkpoint)
+    if mismatch:
+        raise ConfigError(
+            f"checkpoint {checkpoint} does not hold model flavor '{cfg.model.flavor}' ({mismatch}); pass the config "
+            "the run trained with"
+        )
+    model = build_model(cfg.model, rmsnorm_impl="torch")
+    model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    except CheckpointException as exc:
+        raise CheckpointError(f"checkpoint {checkpoint} could not be read ({_failure(exc)})") from None
+    return state["model"]
+
+
+def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
+    """Offline export of a DCP checkpoint's weights as a diffusers folder, written beside it and renamed into place
+    when complete; nothing that exists at `out` is written into (an empty folder aside)."""
+    from flux_train.model.diffusers_adapter import quiet_diffusers, save_diffusers
+
+    quiet_diffusers()
+    if out.is_symlink() or (out.exists() and not (out.is_dir() and not any(out.iterdir()))):
+        raise UserError(f"--out {out} exists; give a new folder to write the export into (nothing is overwritten)")
+    weights = read_weights(cfg, checkpoint)
+    partial = out.with_name(out.name + ".partial")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        save_diffusers(weights, cfg.model, partial)
+        partial.rename(out)
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise StorageError(f"writing the export {out} failed ({_brief(exc)})") from None
+
+
+@reports_user_errors
+def main(argv=None) -> int:
+    from flux_train.config import load_config
+
+    p = Parser(prog="python -m flux_train.checkpoint")
+    sub = p.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="write a checkpoint's model as a diffusers FluxTransformer2DModel folder")
+    ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
+    ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
+    ex.add_argument("--out", required=True, help="the diffusers folder to write (config.json + safetensors)")
+    ex.add_overrides()
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    path = find_checkpoint(Path(args.checkpoint))
+    if path is None:
+        raise ConfigError(
+            f"--checkpoint {args.checkpoint}: no complete checkpoint there (a step_XXXXXXXX folder "
+            "with progress.pt, or the folder holding them)"
+        )
+    export_checkpoint(cfg, path, Path(args.out))
+    print(f"exported {path} -> {args.out} (load with FluxTransformer2DModel.from_pretrained)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Images from a trained model: diffusers' FluxPipeline with the Flux.1-schnell sampler (4 Euler steps, no
+guidance), from local weights only.
+
+    W=/models/FLUX.1-schnell
+    python -m flux_train.sample --checkpoint runs/flux/checkpoints --prompts prompts.txt --out grid.png \\
+        --vae $W/vae --t5 $W/text_encoder_2 --t5-tokenizer $W/tokenizer_2 \\
+        --clip $W/text_encoder --clip-tokenizer $W/tokenizer
+
+The prompts are encoded as the training data was (dataprep.encoders: T5 over 256 tokens, CLIP pooled), then the
+checkpoint's weights go into a diffusers FluxTransformer2DModel (flux_train.model.diffusers_adapter). The trainer uses the
+same Sampler for `eval.sample_prompts`: a grid per eval in the run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from dataprep.encoders import ImageEncoder, TextEncoders, add_encoder_arguments, device_and_dtype
+from dataprep.format import DataprepError
+from flux_train.config import Config, ModelConfig, TrainConfig, load_config
+from flux_train.model.diffusers_adapter import diffusers_config, quiet_diffusers, save_diffusers, to_diffusers
+from flux_train.errors import Parser, UserError, reports_user_errors
+
+STEPS = 4  # Flux.1-schnell's sampler: 4 steps, guidance-distilled (no classifier-free guidance)
+# FLUX.1-schnell's scheduler_config.json: Euler over the flow, no resolution-dependent shift
+SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=1.0,
+    use_dynamic_shifting=False,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+IMAGE_SIZE = 256  # the task's resolution (256x256 images, 32x32 latents)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Local folders of the frozen models."""
+
+    vae: Path
+    t5: Path
+    t5_tokenizer: Path
+    clip: Path
+    clip_tokenizer: Path
+
+    @classmethod
+    def in_pipeline_folder(cls, root: str | Path) -> "Weights":
+        """A FLUX.1-schnell folder's vae/, text_encoder_2/ + tokenizer_2/ (T5), text_encoder/ + tokenizer/ (CLIP)."""
+        root = Path(root)
+        return cls(
+            root / "vae", root / "text_encoder_2", root / "tokenizer_2", root / "text_encoder", root / "tokenizer"
+        )
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """One prompt per non-empty line."""
+    try:
+        prompts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as exc:
+        raise UserError(f"prompts file {path}: {exc.strerror}") from None
+    if not prompts:
+        raise UserError(f"prompts file {path}: no prompts in it (one per line)")
+    return prompts
+
+
+def image_grid(images: list[Image.Image], columns: int) -> Image.Image:
+    """Row-major grid of equal-size images."""
+    width, height = images[0].size
+    rows = math.ceil(len(images) / columns)
+    grid = Image.new("RGB", (columns * width, rows * height), "white")
+    for i, image in enumerate(images):
+        grid.paste(image, ((i % columns) * width, (i // columns) * height))
+    return grid
+
+
+class Sampler:
+    """The pipeline's frozen parts, made once: the VAE and the prompts' encodings (the text encoders are freed after
+    encoding). Each `grid` call puts a model's weights into a fresh diffusers transformer and samples every prompt."""
+
+    def __init__(
+        self,
+        weights: Weights,
+        prompts: list[str],
+        model: ModelConfig,
+        train: TrainConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        quiet_diffusers()
+        try:
+            text = TextEncoders(weights.t5, weights.clip, weights.t5_tokenizer, weights.clip_tokenizer, device, dtype)
+            self.vae = ImageEncoder(weights.vae, device, dtype).vae
+        except DataprepError as exc:  # a folder that holds no such model, named
+            raise UserError(str(exc)) from None
+        self.t5, self.clip = (e.to(device, dtype) for e in text(prompts))
+        del text
+        # the pipeline decodes latents / scaling_factor + shift_factor: the inverse of the training's
+        # (z - latent_shift) * latent_scale only with the Flux VAE's factors
+        factors = (self.vae.config.get("scaling_factor"), self.vae.config.get("shift_factor"))
+        if factors != (train.latent_scale, train.latent_shift):
+            raise UserError(
+                f"the VAE in {weights.vae} has scaling_factor {factors[0]}, shift_factor {factors[1]}; "
+                f"the model was trained with train.latent_scale {train.latent_scale}, latent_shift "
+                f"{train.latent_shift}: give FLUX.1-schnell's vae/"
+            )
+        self.model, self.device, self.dtype = model, device, dtype
+
+    @classmethod
+    def for_run(cls, cfg: Config, device: torch.device, dtype: torch.dtype) -> "Sampler":
+        """The trainer's: eval.sample_prompts with the models of eval.sample_weights."""
+        return cls(
+            Weights.in_pipeline_folder(cfg.eval.sample_weights),
+            read_prompts(cfg.eval.sample_prompts),
+            cfg.model,
+            cfg.train,
+            device,
+            dtype,
+        )
+
+    @torch.no_grad()
+    def grid(
+        self, state: dict[str, torch.Tensor], size: int = IMAGE_SIZE, seed: int = 0, columns: int = 0
+    ) -> Image.Image:
+        """One image per prompt from `state` (our layout), `size` pixels square, in a grid of `columns`
+        (default: about square)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+        with torch.device("meta"):
+            transformer = FluxTransformer2DModel(**diffusers_config(self.model))
+        weights = {k: v.to(self.device, self.dtype) for k, v in to_diffusers(state, self.model).items()}
+        transformer.load_state_dict(weights, assign=True, strict=True)
+        pipe = FluxPipeline(
+            FlowMatchEulerDiscreteScheduler(**SCHEDULER), self.vae, None, None, None, None, transformer.eval()
+        )
+        pipe.set_progress_bar_config(disable=True)
+        images = pipe(
+            prompt_embeds=self.t5,
+            pooled_prompt_embeds=self.clip,
+            num_inference_steps=STEPS,
+            guidance_scale=0.0,
+            height=size,
+            width=size,
+            generator=torch.Generator().manual_seed(seed),
+        ).images
+        return image_grid(images, columns or math.ceil(math.sqrt(len(images))))
+
+
+def gathered_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the full weights of a training layout's model on rank 0's CPU (an empty dict on the others)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def run_config_file(checkpoint: Path) -> Path:
+    """The config.yaml of the run a checkpoint belongs to: in the checkpoint's folder or up to three above it
+    (<out_dir>/checkpoints/step_XXXXXXXX by default)."""
+    for folder in [checkpoint, *checkpoint.resolve().parents][:4]:
+        if (folder / "config.yaml").is_file():
+            return folder / "config.yaml"
+    raise UserError(
+        f"no config.yaml in {checkpoint} or the folders above it; pass --config with the run's "
+        f"config.yaml (it names the model flavor)"
+    )
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(prog="python -m flux_train.sample", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        help="a step_XXXXXXXX checkpoint folder, or a folder of them (the latest is used)",
+    )
+    p.add_argument(
+        "--config", type=Path, help="the run's config.yaml (default: the one of the run the checkpoint belongs to)"
+    )
+    p.add_argument(
+        "--exported",
+        type=Path,
+        metavar="FOLDER",
+        help="also save the transformer there as a diffusers folder (as `checkpoint export` writes it)",
+    )
+    p.add_argument("--vae", type=Path, required=True, help="local folder of the Flux VAE (FLUX.1-schnell: vae/)")
+    add_encoder_arguments(p)
+    p.add_argument("--prompts", type=Path, required=True, help="text file, one prompt per line")
+    p.add_argument("--out", type=Path, required=True, help="the PNG grid to write, one image per prompt")
+    p.add_argument(
+        "--size",
+        type=int,
+        default=IMAGE_SIZE,
+        help=f"image side in pixels, a multiple of 16 (default {IMAGE_SIZE}, what the model trains on)",
+    )
+    p.add_argument("--columns", type=int, default=0, help="images per grid row (default: about square)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial noise")
+    return p.parse_args(argv)
+
+
+@reports_user_errors
+def main(argv=None) -> int:
+    from flux_train.training.checkpoint import find_checkpoint, read_weights
+
+    args = parse_args(argv)
+    if args.size <= 0 or args.size % 16:
+        raise UserError(f"--size {args.size}: must be a positive multiple of 16 (VAE 8x, then 2x2 patches)")
+    checkpoint = find_checkpoint(args.checkpoint)
+    if checkpoint is None:
+        raise UserError(
+            f"--checkpoint {args.checkpoint}: no complete checkpoint there (a step_XXXXXXXX folder with "
+            "progress.pt, or the folder holding them)"
+        )
+    cfg = load_config(args.config or run_config_file(checkpoint))
+    prompts = read_prompts(args.prompts)
+    weights = Weights(args.vae, args.t5, args.t5_tokenizer or args.t5, args.clip, args.clip_tokenizer or args.clip)
+    try:
+        device, dtype = device_and_dtype(args)
+    except DataprepError as exc:  # --device cuda without a GPU
+        raise UserError(str(exc)) from None
+    sampler = Sampler(weights, prompts, cfg.model, cfg.train, device, dtype)
+    state = read_weights(cfg, checkpoint)
+    if args.exported:
+        save_diffusers(state, cfg.model, args.exported)
+    grid = sampler.grid(state, args.size, args.seed, args.columns)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(args.out)
+    print(
+        f"wrote {args.out}: {len(prompts)} images of {args.size}x{args.size} from {checkpoint} (grid "
+        f"{grid.width}x{grid.height}, {STEPS} steps, seed {args.seed})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""The training loop: `python -m flux_train.train --config configs/debug.yaml [--set section.key=value ...]`.
+
+Order (MLPerf rules): run parameters + init_start -> build, shard, initialise, warm up -> init_stop +
+run_start -> first touch of real data -> steps, an eval every ceil(262144/GBS) steps -> stop at the first
+eval <= target (success) or at train.max_steps (aborted) -> run_stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from flux_train.training import checkpoint, preemption, preflight, run_folder
+from flux_train.model import flow
+from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
+from flux_train.data.sources import build_data, synthetic_samples
+from flux_train.model.diffusers_adapter import load_pretrained
+from flux_train.errors import Parser, StorageError, reports_user_errors
+from flux_train.training.evaluate import Evaluator
+from flux_train.training.heartbeat import Heartbeat
+from flux_train.kernels.fp8 import FP8Scaling
+from flux_train.training.metrics import LogWindow, Metrics
+from flux_train.outputs.mllog import C, MLLogger
+from flux_train.model.flux import build_model, check_weights, count_params, flops_per_sample, reference_init
+from flux_train.training.optim import lr_at
+from flux_train.training.parallel import (
+    build_training,
+    checkpoint_blocks,
+    collective_failure_line,
+    init_distributed,
+    out_of_memory_line,
+    shutdown,
+)
+from flux_train.training.perf import GraphedStep, apply_fp8, compile_blocks, select_attention_backend
+from flux_train.training.train_state import TrainState
+
+# blocks return slices of their joint sequence; we never modify them in place, which this FSDP2 warning is about
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+EXIT_DIVERGED = 3  # a non-finite loss or gradient norm stopped the run
+EXIT_COLLECTIVE = 4  # a collective failed or timed out (parallel.timeout_s); the message names the stragglers
+EXIT_OUT_OF_MEMORY = 5  # a GPU ran out of memory; the message says how much torch held and what to change
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class Status(str, enum.Enum):
+    """How a run ended; MLLOG's run_stop says success or aborted (a diverged run is aborted)."""
+
+    SUCCESS = "success"  # an eval reached the target
+    ABORTED = "aborted"  # the step cap
+    PREEMPTED = "preempted"  # Slurm's warning signal: checkpoint saved, the launcher requeues
+    DIVERGED = "diverged"  # a non-finite loss or gradient norm
+
+
+class Boundary(NamedTuple):
+    """Where a block of steps ends: "eval" (one is due), "stop" (a rank got Slurm's warning signal), "diverged"
+    (a non-finite step, the first this rank saw, 0 if only other ranks did) or "cap" (train.max_steps)."""
+
+    kind: str
+    stop: bool = False
+    first_bad: int = 0
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.out_dir = Path(cfg.logging.out_dir)
+        self.dist = init_distributed(cfg.parallel, cfg.train.device, str(self.out_dir / "flight_recorder"))
+        validate(cfg, self.dist.world_size)
+        if cfg.preflight.enabled:
+            preflight.run(
+                cfg, self.dist.device, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            )
+        # the main rank owns the run folder from here on (a second run there is refused), and chooses for every
+        # rank the checkpoint to resume from
+        self.folder = run_folder.claim(cfg, self.dist.rank, self.dist.world_size)
+        self.resume_from = self.folder.resume_from
+        preflight.check_inputs(cfg, self.dist.device, self.dist.world_size)
+        # from here on every rank says where it is (a bad input above has ended the run without a thread)
+        self.heartbeat = Heartbeat(self.out_dir / "heartbeats", self.dist.rank)
+        if self.dist.is_main:
+            run_folder.write_config(cfg)
+        self.checkpointer = checkpoint.Checkpointer(
+            checkpoint.checkpoint_dir(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.checkpoint.every_steps
+        )
+        # a resumed run continues the same MLLOG file and does not start a second run in it
+        self.mllog = MLLogger(
+            self.out_dir / cfg.logging.mllog_file,
+            enabled=self.dist.is_main,
+            append=self.resume_from is not None,
+            stdout=cfg.logging.mllog_stdout,
+        )
+        if not self.mllog.continued:
+            self.mllog.run_parameters(cfg, self.dist.world_size)
+            self.mllog.start(C.INIT_START)
+
+        self.state = TrainState.of_run(cfg, self.dist.world_size)
+        self.device = self.dist.device
+        self.dtype = DTYPES[cfg.train.compute_dtype]
+        self.accum = accumulation_steps(cfg, self.dist.world_size)
+        self.attention = select_attention_backend(cfg.perf.attention, self.dtype, self.device)
+        model = build_model(cfg.model, cfg.perf.rmsnorm)
+        self.n_params = count_params(model)
+        initial = self._initial_weights(model)
+        apply_fp8(model, cfg.perf.fp8, cfg.perf.fp8_impl, self.device, cfg.perf.fp8_amax_history)
+        if cfg.parallel.activation_checkpointing:
+            checkpoint_blocks(model)
+        compile_blocks(model, cfg.perf.compile)
+        self.training = build_training(model, self.dist.mesh, cfg.parallel, cfg.train, self.dtype, self.device)
+        self.model = self.training.model
+        self.training.assign_weights(initial)
+        self.fp8 = FP8Scaling.of(self.model, self.device, cfg.perf.fp8_margin)  # perf.fp8=delayed: its scales
+        self.graphed = GraphedStep(self._device_step) if cfg.perf.cuda_graphs else None
+        self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
+        self.empty = (self.data.empty_t5.to(self.device), self.data.empty_clip.to(self.device))
+        self.evaluator = Evaluator(cfg, self)
+        self.stop_requested = False
+        self.flops_per_sample: float | None = None
+
+    def _initial_weights(self, model):
+        """(name, full tensor) for every parameter: model.init_from's weights, or the reference init."""
+        source = self.cfg.model.init_from
+        if source is None:
+            return reference_init(model, self.cfg.train.seed, self.device)
+        try:
+            values = load_pretrained(source, self.cfg.model)
+            check_weights(model, values, f"model.init_from={source}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return iter(values.items())
+
+    def _resume(self) -> None:
+        """The checkpoint's state, after the warm-up (whose steps would overwrite the optimizer's moments)."""
+        self.state, loader_state = checkpoint.load(self.resume_from, self.training)
+        self.data.train.load_state_dict(loader_state)
+        if self.fp8 is not None and self.state.fp8 is not None:  # else (no FP8 before): the history starts empty
+            try:
+                self.fp8.load_state_dict(self.state.fp8)
+            except ValueError as exc:  # another history length or set of FP8 layers: the scales start over
+                self._say(f"the checkpoint's FP8 scales do not fit this run ({exc}); they start from no history")
+        self._say(f"resumed from {self.resume_from} at step {self.state.step}")
+
+    def save_checkpoint(self) -> Path:
+        self.heartbeat.beat(self.state.step, "checkpoint")
+        self.state.fp8 = self.fp8.state_dict() if self.fp8 is not None else None
+        path = self.checkpointer.save(self.state, self.training, self.data.train.state_dict())
+        self._say(f"{'saving' if self.checkpointer.async_save else 'saved'} checkpoint {path}")
+        return path
+
+    # ------------------------------------------------------------------ one optimizer step
+
+    def _forward_backward(self, inputs: dict, target: torch.Tensor, micro: int) -> torch.Tensor:
+        """Loss / accum of one micro-batch, gradients accumulated; after the last one, reduced (ddp)."""
+        self.training.start_micro_batch(micro, self.accum)
+        loss = flow.mse_loss(self.model(**inputs), target) / self.accum
+        if self.state.step + 1 == self.cfg.train.inject_nan_at_step:
+            loss = loss * float("nan")
+        loss.backward()
+        if micro == self.accum - 1:
+            self.training.finish_backward()
+        return loss.detach()
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
+        self.heartbeat.beat(self.state.step + 1, "train")
+        t = self.cfg.train
+        return self._step(lambda: next(self.data.train), lr_at(self.state.step, t.lr, t.warmup_steps))
+
+    def _step(self, next_batch, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+        self.training.begin_step(lr)
+        data_wait, staged = 0.0, []
+        for micro in range(self.accum):
+            t0 = time.perf_counter()
+            batch = next_batch()
+            data_wait += time.perf_counter() - t0
+            global_micro = self.dist.rank * self.accum + micro
+            inputs, target = flow.training_inputs(
+                batch, self.cfg.train, self.state.step, global_micro, self.empty, self.device, self.dtype
+            )
+            staged.append((inputs.as_kwargs(), target))
+        if self.flops_per_sample is None:  # from the data's shapes, known at the first batch
+            self.flops_per_sample = flops_per_sample(self.cfg.model, inputs.txt.shape[1], inputs.img.shape[1])
+        loss_sum, grad_norm = (self.graphed or self._device_step)(staged)
+        self.state.step += 1
+        return loss_sum, grad_norm, data_wait
+
+    def _device_step(self, staged: list[tuple[dict, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's device work (what perf.cuda_graphs captures): forward and backward of every micro-batch,
+        clipping and AdamW (the gradient norm), the FP8 scales of the next step, the weights' all-gathers."""
+        loss_sum = sum(self._forward_backward(inputs, target, micro) for micro, (inputs, target) in enumerate(staged))
+        grad_norm = self.training.step()
+        if self.fp8 is not None:
+            self.fp8.update()
+        if self.graphed is not None:
+            self.training.wait_params()  # the all-gathers end inside the graph
+        return loss_sum, grad_norm
+
+    def warm_up(self, iters: int) -> None:
+        """Compile, tune and capture graphs before run_start on synthetic tensors (the rules start the clock
+        before any data is read): steps with lr 0 leave the weights as they are, then the optimizer state is
+        reset. Text length comes from the empty encodings, the latent side from perf.warmup_latent_size."""
+        if iters <= 0:
+            return
+        m, side = self.cfg.model, self.cfg.perf.warmup_latent_size
+        text_len = self.data.empty_t5.shape[1]
+        mb = self.cfg.train.micro_batch_size
+        batch = synthetic_samples(mb, text_len, side, side, m.joint_attention_dim, m.pooled_projection_dim, seed=0)
+        step = self.state.step
+        for _ in range(iters):
+            self._step(lambda: batch, lr=0.0)
+        self.state.step = step
+        self.training.reset_optimizer()  # AdamW starts from zero moments and step 0 at the first real step
+        if self.fp8 is not None:
+            self.fp8.reset()  # and FP8 from no amax history
+        self.flops_per_sample = None  # measured again on the first real batch
+
+    # ------------------------------------------------------------------ the loop
+
+    def _install_stop_signal(self) -> None:
+        # Slurm's warning signal asks for a checkpoint at the next logging boundary (flux_train.training.preemption)
+        def handler(signum, frame):
+            self.stop_requested = True
+
+        signal.signal(preemption.SIGNAL, handler)
+
+    def _say(self, text: str) -> None:
+        if self.dist.is_main:
+            print(f"flux-train: {text}", flush=True)
+
+    def run(self) -> Status:
+        """Warm up, start the clock, train until an eval reaches the target, the step cap, Slurm's warning signal
+        or a non-finite step; then stop the clock."""
+        cfg, t = self.cfg, self.cfg.train
+        self._say(
+            f"{cfg.model.flavor} {self.n_params / 1e9:.3f} B params, world {self.dist.world_size}, "
+            f"GBS {t.global_batch_size} (micro {t.micro_batch_size} x accum {self.accum}), "
+            f"eval every {eval_interval_steps(cfg)} steps, {cfg.parallel.strategy} on {self.device}, "
+            f"attention {self.attention}, FP8 {cfg.perf.fp8}"
+        )
+        self._install_stop_signal()
+        self.warm_up(cfg.perf.warmup_iters)
+        if self.resume_from is not None:
+            self._resume()
+        if not self.mllog.continued:
+            self.mllog.end(C.INIT_STOP)
+            self.mllog.start(C.RUN_START)
+        metrics = Metrics(
+            self.out_dir,
+            self.device,
+            self.dist.world_size,
+            t.max_steps,
+            self.dist.is_main,
+            cfg.logging.progress_bar,
+            cfg.logging.tensorboard,
+            append=self.resume_from is not None,
+            start_step=self.state.step,
+        )
+        status = self._train(metrics)
+        self.training.wait_params()  # no collective may be in flight when the process group goes down
+        self.checkpointer.close()
+        metrics.close()
+        if status != Status.PREEMPTED:  # a preempted run continues in the same log after the requeue
+            self.mllog.run_stop(C.SUCCESS if status == Status.SUCCESS else C.ABORTED, self.state.samples)
+        if status == Status.SUCCESS:  # the successful eval's report and samples, after run_stop
+            self.evaluator.after(self.state.step)
+        else:
+            self.evaluator.report()
+        self._say(f"finished at step {self.state.step}, status {status.value}")
+        return status
+
+    def _train(self, metrics: Metrics) -> Status:
+        """Blocks of steps, each between MLLOG's block_start and block_stop, until one ends the run."""
+        window = LogWindow(self.device, self.dist.world_size)
+        while True:
+            with self.mllog.block(lambda: self.state.samples):
+                metrics.reset_window()
+                end = self._block(metrics, window)
+            if end.kind == "diverged":
+                return self._diverged(end.first_bad)
+            if end.kind == "eval":  # before a stop: a checkpoint of this step stands for its eval having run
+                val_loss = self.evaluator.run(self.state)
+                metrics.emit({"step": self.state.step, "samples": self.state.samples, "val_loss": val_loss})
+                if val_loss <= self.cfg.eval.target:
+                    return Status.SUCCESS
+                self.evaluator.after(self.state.step)
+            if end.stop:
+                self.save_checkpoint()
+                return Status.PREEMPTED
+            if end.kind == "cap":
+                return Status.ABORTED
+            if self.checkpointer.due(self.state.step):
+                self.save_checkpoint()
+
+    def _block(self, metrics: Metrics, window: LogWindow) -> Boundary:
+        """Steps until an eval is due, a stop, a non-finite step or the step cap; the metrics and checkpoints of
+        the steps in between."""
+        cfg, t = self.cfg, self.cfg.train
+        while self.state.step < t.max_steps:
+            loss, grad_norm, wait = self.train_step()
+            step = self.state.step
+            window.add(step, loss, grad_norm)
+            metrics.add_step(t.global_batch_size, wait)
+            eval_due, checkpoint_due = self.evaluator.due(step), self.checkpointer.due(step)
+            if step % cfg.logging.log_every and not eval_due and not checkpoint_due:
+                continue
+            # a host sync: nothing below may act on a non-finite state
+            mean_loss, stop, first_bad = window.close(self.stop_requested)
+            if first_bad is not None:
+                return Boundary("diverged", first_bad=first_bad)
+            overflows = {"fp8_overflows": int(self.fp8.overflows)} if self.fp8 is not None else {}
+            lr = lr_at(step - 1, t.lr, t.warmup_steps)
+            metrics.log(step, self.flops_per_sample, loss=mean_loss, lr=lr, grad_norm=float(grad_norm), **overflows)
+            if eval_due or stop:
+                return Boundary("eval" if eval_due else "stop", stop)
+            if checkpoint_due:
+                self.save_checkpoint()
+        return Boundary("cap")
+
+    def _diverged(self, first_bad: int) -> Status:
+        at = f"at step {first_bad}" if first_bad > 0 else f"in the steps up to {self.state.step}"
+        self.checkpointer.wait()
+        self._say(
+            f"stopped: the loss or gradient norm was not finite {at}; {checkpoint.last_good(self.checkpointer.root)}. "
+            "Lower train.lr, lengthen train.warmup_steps or look at the data of that step before resuming"
+        )
+        return Status.DIVERGED
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(prog="python -m flux_train.train", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/debug.yaml", help="YAML config (default: configs/debug.yaml)")
+    p.add_overrides()
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (defaults: merged, --set applied) as YAML and exit",
+    )
+    return p.parse_args(argv)
+
+
+@reports_user_errors
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = trainer = None
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None), end="")
+            return 0
+        trainer = Trainer(cfg)
+        status = trainer.run()
+    except StorageError as exc:  # a file the run must write could not be written: say where to resume from
+        raise StorageError(f"{exc}; {checkpoint.last_good(checkpoint.checkpoint_dir(cfg))}") from None
+    except RuntimeError as exc:  # out of memory; a collective failed or timed out
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        oom, stalled = out_of_memory_line(exc, rank), collective_failure_line(exc, cfg.logging.out_dir if cfg else ".")
+        if not (oom or stalled):
+            raise
+        print(oom or stalled, file=sys.stderr, flush=True)
+        return EXIT_OUT_OF_MEMORY if oom else EXIT_COLLECTIVE
+    finally:
+        if trainer is not None:
+            trainer.heartbeat.stop()
+        shutdown()
+    return {Status.PREEMPTED: preemption.EXIT_CODE, Status.DIVERGED: EXIT_DIVERGED}.get(status, 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
