@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from dataprep import progress
-from dataprep.format import EMPTY_CLIP, EMPTY_T5, METADATA, DatasetInfo, DataprepError, Shape, shape_of, write_info
+from dataprep.format import EMPTY_CLIP, EMPTY_T5, METADATA, DataprepError, DatasetInfo, Shape, shape_of, write_info
 from dataprep.shards import INDEX, PARTIAL
 
 SPLITS = ("train", "val")

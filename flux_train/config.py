@@ -9,7 +9,6 @@ below: unknown keys, wrong types and impossible values raise ConfigError naming 
 from __future__ import annotations
 
 import collections.abc
-
 import dataclasses
 import math
 import typing
@@ -282,6 +281,11 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        """The config as the YAML a run archives and --print-config shows (lists on one line); load_config reads
+        it back to the same config."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
 
 # ---------------------------------------------------------------------------------------------

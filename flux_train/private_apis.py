@@ -1,6 +1,7 @@
 """The dependencies' private APIs that flux-train relies on, all of them, in one place, with the version range
-they are tested against (pyproject.toml pins it). None has a public equivalent; a release that changes one
-breaks here, and the tests named beside each fail first.
+they are tested against (pyproject.toml pins it). The first four are wrapped below; the last four are one call
+each, where they are used. None has a public equivalent; a release that changes one breaks here, and the tests
+named beside each fail first.
 
 - submitit 1.5 (<1.6): `_make_sbatch_string`, the sbatch script submitit would submit; `submit --dry-run`
   prints it (submitit has no public dry run). Tests: tests/test_submit.py.
@@ -14,6 +15,17 @@ breaks here, and the tests named beside each fail first.
   the checker object's message dictionaries, `rcp_checker.check_directory` and the RCP table beside it. The
   package's public interface is its command line, which prints and exits; `results` needs the verdicts keyed
   by log key. Tests: tests/test_results.py, tests/test_plan.py (the RCP table).
+- submitit 1.5: `python -m submitit.core._submit FOLDER`, the module each Slurm task runs to unpickle and call
+  the job's function; flux-train runs it inside the container (flux_train/cluster/submit.py), where submitit's own
+  command line would run it on the host. Tests: tests/test_slurm_submit.py.
+- torch 2.11-2.13: `torch._scaled_mm`, the FP8 GEMM on tensor cores with per-tensor scales, a bias epilogue and
+  fast accumulation (flux_train/kernels/fp8.py; torchao calls the same). Tests: tests/test_gpu.py (GPU),
+  tests/test_fp8.py (the CPU emulation it is compared with).
+- torch 2.11-2.13: `torch._foreach_copy_`, `torch._foreach_zero_`, one kernel launch for every FP8 layer's amax
+  history and scale (flux_train/kernels/fp8.py, inside the graphed step). Tests: tests/test_fp8.py.
+- torch 2.11-2.13: `torch.distributed.algorithms._checkpoint.checkpoint_wrapper`, activation checkpointing of
+  a block as FSDP2 expects it (flux_train/training/parallel.py, parallel.activation_checkpointing). Not tested:
+  no test turns activation checkpointing on.
 """
 
 from __future__ import annotations

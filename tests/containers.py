@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from run_outputs import set_flags
 
 CACHE = Path(os.environ.get("FLUX_CI_CACHE", "/var/cache/flux-train-ci"))

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from processes import parent, pids_with_env
 
 NODES = ("n1", "n2")

@@ -4,19 +4,19 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
-from dataclasses import replace
-
-from flux_train.training import checkpoint
-from flux_train.config import load_config
-from flux_train.model.diffusers_adapter import diffusers_inputs
-from flux_train.kernels import RMSNorm
-from flux_train.outputs.results import read_events
-from flux_train.training.train_state import TrainState
-from flux_train.training.preemption import EXIT_CODE as EXIT_PREEMPTED
 from run_outputs import column, losses, train, train_command
+
+from flux_train.config import load_config
+from flux_train.kernels import RMSNorm
+from flux_train.model.diffusers_adapter import diffusers_inputs
+from flux_train.outputs.results import read_events
+from flux_train.training import checkpoint
+from flux_train.training.preemption import EXIT_CODE as EXIT_PREEMPTED
+from flux_train.training.train_state import TrainState
 
 pytestmark = pytest.mark.slow  # every test trains
 
@@ -89,6 +89,7 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
         raise KeyboardInterrupt("killed mid-save")
 
     import torch.distributed as dist
+
     from flux_train.model.flux import build_model, reference_init
     from flux_train.training.parallel import build_mesh, build_training
 

@@ -14,10 +14,10 @@ from tqdm import tqdm
 
 from dataprep import progress
 from dataprep.__main__ import main as dataprep
+from flux_train.cluster import submit
+from flux_train.outputs import results
 from flux_train.tools import bench, plan
 from flux_train.training import checkpoint, sample, train
-from flux_train.outputs import results
-from flux_train.cluster import submit
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,8 +2,8 @@
 order and exact resume, the val pass's exact coverage on any number of ranks, the empty encodings."""
 
 import io
-import os
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from run_outputs import column, set_flags, train
 
 from dataprep.fixture import FixtureSpec, fixture_samples, write_fixture
 from dataprep.format import (
@@ -29,10 +30,9 @@ from dataprep.format import (
     write_info,
 )
 from flux_train.config import DataConfig, load_config
-from flux_train.data.sources import DataError
 from flux_train.data.energon import EnergonTrainStream, EnergonVal, build_energon, cook, val_counts
+from flux_train.data.sources import DataError
 from flux_train.private_apis import energon_shard_end
-from run_outputs import column, set_flags, train
 
 SPEC = FixtureSpec(train=24, val=13, text_len=4, height=2, width=2, seed=3, samples_per_shard=5)
 

@@ -18,6 +18,8 @@ import pytest
 import torch
 import yaml
 from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+from processes import alive, children, maps
+from slurm_cluster import wait_for
 
 from dataprep.__main__ import main
 from dataprep.convert import convert
@@ -25,8 +27,6 @@ from dataprep.fixture import FixtureSpec, fixture_samples, save_arrow, write_arr
 from dataprep.format import DataprepError, Shape, decode_bf16, encode_bf16
 from dataprep.prepare import prepare
 from flux_train.data.energon import FluxTaskEncoder
-from processes import alive, children, maps
-from slurm_cluster import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = FixtureSpec(train=11, val=6, text_len=4, height=2, width=2, seed=5)

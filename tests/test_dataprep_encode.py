@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_models import WORDS
 
 from dataprep import images
 from dataprep.__main__ import main
 from dataprep.format import decode_bf16
 from dataprep.prepare import prepare
-from tiny_models import WORDS
 
 
 def image_bytes(size, fmt, seed):

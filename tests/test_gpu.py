@@ -4,12 +4,12 @@ kernels' own tests (tests/test_kernels.py) run on a GPU or in Triton's CPU inter
 
 import pytest
 import torch
+from run_outputs import column, set_flags, train
 
-from flux_train.model import flow
 from flux_train.config import ModelConfig
+from flux_train.model import flow
 from flux_train.model.flux import build_model, materialize
 from flux_train.training.perf import CudaGraph, compile_blocks, select_attention_backend
-from run_outputs import column, set_flags, train
 
 pytestmark = pytest.mark.gpu
 
@@ -188,7 +188,7 @@ def test_fp8_delayed_blocks_compiled_and_graphed_match_eager():
         kw, target = inputs(cfg)
         params = list(model.parameters())
 
-        def step():
+        def step(params=params, model=model, kw=kw, target=target, scaling=scaling):  # this mode's
             for p in params:
                 p.grad = None
             loss = flow.mse_loss(model(**kw), target)

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from flux_train.cluster import launch
-from flux_train.outputs import results
 from processes import alive, parent, pid_with_env, pids_with_env
-from flux_train.config import load_config
 from run_outputs import set_flags
 from slurm_cluster import wait_for
+
+from flux_train.cluster import launch
+from flux_train.config import load_config
+from flux_train.outputs import results
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "configs/systems/cpu_02x02.yaml"

@@ -9,6 +9,9 @@ from diffusers import FluxTransformer2DModel
 from torch import nn
 
 from flux_train.config import ModelConfig, load_config
+from flux_train.kernels import RMSNorm
+from flux_train.model import flow
+from flux_train.model import flux as flux_model
 from flux_train.model.diffusers_adapter import (
     diffusers_config,
     diffusers_inputs,
@@ -17,9 +20,6 @@ from flux_train.model.diffusers_adapter import (
     save_diffusers,
     to_diffusers,
 )
-from flux_train.kernels import RMSNorm
-from flux_train.model import flow
-from flux_train.model import flux as flux_model
 from flux_train.model.flux import apply_rope, build_model, count_params, flops_per_sample, init_rule, materialize
 
 SCHNELL = load_config("configs/model/flux-schnell.yaml").model

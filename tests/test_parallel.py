@@ -4,10 +4,10 @@ import os
 import subprocess
 
 import pytest
+from run_outputs import column, metrics, train, train_command
 
 from flux_train.config import ParallelConfig
 from flux_train.training.parallel import mesh_shape
-from run_outputs import column, metrics, train, train_command
 
 ARGS = [
     "--set",

@@ -12,15 +12,15 @@ from pathlib import Path
 import mlperf_logging
 import pytest
 import torch
+from run_outputs import set_flags, train
 
+from flux_train.cluster import submit as sub
+from flux_train.config import load_config
+from flux_train.model.flux import build_model, count_params
 from flux_train.tools import plan
 from flux_train.training import preflight
-from flux_train.cluster import submit as sub
 from flux_train.training.checkpoint import checkpoint_bytes
-from flux_train.config import load_config
 from flux_train.training.ddp import DDP
-from flux_train.model.flux import build_model, count_params
-from run_outputs import set_flags, train
 
 H200 = "configs/systems/H200_01x08.yaml"
 DEBUG_DDP = ["parallel.strategy=ddp", "train.compute_dtype=bfloat16"]  # the debug model in the GPU systems' layout

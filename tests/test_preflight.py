@@ -3,10 +3,10 @@
 import socket
 
 import pytest
-
-from flux_train.training import preflight
-from flux_train.config import load_config
 from run_outputs import train as run_train
+
+from flux_train.config import load_config
+from flux_train.training import preflight
 
 
 def train(out, *extra):

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from matplotlib import image
 from mlperf_logging.rcp_checker import rcp_checker
+from run_outputs import set_flags, train
 
 from flux_train.outputs import results
-from run_outputs import set_flags, train
 
 pytestmark = pytest.mark.slow  # every test reads the training runs of the module fixture
 

@@ -18,12 +18,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from flux_train.training import checkpoint, run_folder, train
-from flux_train.outputs import results
-from flux_train.config import load_config
 from run_outputs import column, events, losses, metrics, set_flags, train_command
 from run_outputs import train as run_train
+
+from flux_train.config import load_config
+from flux_train.outputs import results
+from flux_train.training import checkpoint, run_folder, train
 
 pytestmark = pytest.mark.slow  # the module fixture trains
 

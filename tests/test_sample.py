@@ -6,16 +6,15 @@ import json
 
 import numpy as np
 import pytest
+import run_outputs
 import torch
 from PIL import Image
 
-from flux_train.training import sample, train
-from flux_train.training.checkpoint import read_weights
 from flux_train.config import load_config
 from flux_train.model.diffusers_adapter import to_diffusers
 from flux_train.outputs.results import read_events
-
-import run_outputs
+from flux_train.training import sample, train
+from flux_train.training.checkpoint import read_weights
 
 pytestmark = pytest.mark.slow  # every test trains or reads a trained run
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from processes import pid_with_env, pids_with_env
 from run_outputs import events, metrics
 from slurm_cluster import TERMINAL, wait_for

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_outputs import set_flags
 
 from flux_train.cluster import container
-from flux_train.training import preemption
 from flux_train.cluster import submit as sub
-from run_outputs import set_flags
+from flux_train.training import preemption
 
 SYSTEM = "configs/systems/cpu_02x02.yaml"
 

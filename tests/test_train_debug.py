@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 from PIL import Image
+from run_outputs import column, metrics, set_flags, train, train_command
 
 from flux_train.outputs.results import read_events
 from flux_train.training.train import main
-from run_outputs import column, metrics, set_flags, train, train_command
 
 
 @pytest.fixture(scope="module")

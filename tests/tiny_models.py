@@ -11,7 +11,8 @@ WORDS = "a photo of cat dog red blue green on the".split()
 
 def write_tiny_models(root: Path) -> Path:
     from diffusers import AutoencoderKL
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, pre_tokenizers, processors
+    from tokenizers import models as tok_models
     from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
     vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "<s>": 3} | {w: i + 4 for i, w in enumerate(WORDS)}

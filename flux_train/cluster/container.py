@@ -9,8 +9,8 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from flux_train.config import Config, ConfigError
 from flux_train.cluster.launch import check_variable_names
+from flux_train.config import Config, ConfigError
 from flux_train.training.preemption import REQUEUE_FLAG_ENV
 
 # docker/podman start from the image's environment: what the agent needs from Slurm's and the site's

@@ -31,8 +31,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from flux_train.config import Config, ConfigError, load_config, validate
 from flux_train.errors import Parser
 from flux_train.masking import mask_env
@@ -197,7 +195,7 @@ def write_config(cfg: Config, path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # a file written before keeps its mode through O_CREAT
     with open(fd, "w") as out:
-        out.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        out.write(cfg.to_yaml())
 
 
 def local_dir_for(cfg: Config, node: Node) -> Path:

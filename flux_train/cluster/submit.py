@@ -39,12 +39,12 @@ from pathlib import Path
 
 from dataprep.lifetime import die_with_parent
 from flux_train.cluster import container
-from flux_train.config import CONFIG_DIR, Config, ContainerConfig, load_config, mesh_shape, validate
-from flux_train.training import preemption
-from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
 from flux_train.cluster.launch import NodeAgent, env_vars, write_config
+from flux_train.config import CONFIG_DIR, Config, ContainerConfig, load_config, mesh_shape, validate
+from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
 from flux_train.masking import mask_text, masked
 from flux_train.private_apis import sbatch_script
+from flux_train.training import preemption
 
 RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
 

@@ -28,8 +28,8 @@ from mlperf_logging.benchmark_meta import get_result_file_counts
 from flux_train.config import TARGET_VAL_LOSS
 from flux_train.errors import Parser, UserError, reports_user_errors
 from flux_train.outputs.mllog import read_records
-from flux_train.private_apis import compliance_check, rcp_batch_sizes, rcp_check
 from flux_train.outputs.report import draw_val_loss
+from flux_train.private_apis import compliance_check, rcp_batch_sizes, rcp_check
 
 USAGE, RULESET, BENCHMARK = "training", "6.0.0", "flux1"
 RUNS_PER_SCORE = get_result_file_counts(USAGE)[BENCHMARK]  # 10

@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flux_train.model import flow
 from flux_train.config import Config, load_config
 from flux_train.data.sources import synthetic_samples
-from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
 from flux_train.kernels.fp8 import FP8Scaling
+from flux_train.model import flow
+from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.model.flux import build_model, flops_per_sample, init_weights, is_token_linear
 from flux_train.training.perf import (
     CudaGraph,
@@ -329,7 +329,7 @@ def run_casts(cfg: Config, args, row: str) -> dict:
         x = torch.randn(m, k, device="cuda").bfloat16()
         scale = torch.full((), 1e-2 if delayed else 0.0, device="cuda")
         amax = torch.zeros(1, device="cuda")
-        seconds = cuda_seconds(lambda: cast_transpose(x, scale, amax, fp8))
+        seconds = cuda_seconds(lambda x=x, scale=scale, amax=amax: cast_transpose(x, scale, amax, fp8))
         moved = (4 if delayed else 6) * m * k
         per_shape.append([m, k, count, round(seconds * 1e6, 1), round(moved / seconds / 1e9)])
         total += seconds * count

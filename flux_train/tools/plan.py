@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 import yaml
 
-from flux_train.tools.bench import precision_of, read_rows
 from flux_train.config import (
     EVAL_SAMPLES,
     Config,
@@ -47,11 +46,12 @@ from flux_train.config import (
     mesh_shape,
 )
 from flux_train.errors import Parser, UserError, positive_int, positive_number, reports_user_errors
-from flux_train.training.checkpoint import checkpoint_bytes, checkpoint_disk_gb
 from flux_train.model.flux import flops_per_sample, param_count
-from flux_train.training.parallel import reduce_dtype
-from flux_train.private_apis import rcp_records
 from flux_train.outputs.results import BENCHMARK, RULESET, USAGE
+from flux_train.private_apis import rcp_records
+from flux_train.tools.bench import precision_of, read_rows
+from flux_train.training.checkpoint import checkpoint_bytes, checkpoint_disk_gb
+from flux_train.training.parallel import reduce_dtype
 
 FIGURES_FILE = Path(__file__).with_name("measured.yaml")
 TOKENS = 256  # text tokens and image tokens of a flux1 sample (256x256 images), as the bench measures them

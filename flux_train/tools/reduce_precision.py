@@ -30,9 +30,9 @@ import time
 import torch
 from torch import nn
 
-from flux_train.model import flow
 from flux_train.config import CONFIG_DIR, TrainConfig, load_config
 from flux_train.data.sources import synthetic_samples
+from flux_train.model import flow
 from flux_train.model.flux import build_model, init_rule, materialize
 
 NODE = 8  # ranks per node: ddp's dp_shard group on 8-GPU nodes

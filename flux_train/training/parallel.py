@@ -21,9 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from flux_train.config import ParallelConfig, TrainConfig, mesh_shape
+from flux_train.model.flux import assign_weights, block_stacks
 from flux_train.training.ddp import DDP
 from flux_train.training.heartbeat import stragglers
-from flux_train.model.flux import assign_weights, block_stacks
 from flux_train.training.optim import build_optimizer, clip_grad_norm, set_lr
 
 

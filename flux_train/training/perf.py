@@ -86,7 +86,9 @@ def select_attention_backend(name: str, dtype: torch.dtype = torch.bfloat16, dev
         name = preferred_attention(device)
         problem = attention_problem(name, device) if name != "flash" else None
         if problem:
-            warnings.warn(f"perf.attention=auto: {name} attention failed its check here ({problem}); using flash")
+            warnings.warn(
+                f"perf.attention=auto: {name} attention failed its check here ({problem}); using flash", stacklevel=2
+            )
             name = "flash"
     torch.backends.cuda.enable_flash_sdp(name == "flash")
     torch.backends.cuda.enable_mem_efficient_sdp(name == "efficient")

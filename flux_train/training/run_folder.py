@@ -13,15 +13,14 @@ from pathlib import Path
 from typing import IO, Callable
 
 import torch.distributed as dist
-import yaml
 
 from dataprep.folder_lock import LOCK_FILE, FolderLockError, lock_folder
-from flux_train.training import checkpoint
 from flux_train.config import Config, ConfigError
 from flux_train.errors import StorageError, UserError, raise_on_every_rank
 from flux_train.masking import masked
 from flux_train.outputs.mllog import C, parse, read_records, samples_count
 from flux_train.outputs.report import METRICS_FILE, REPORT_FILE
+from flux_train.training import checkpoint
 
 
 @dataclass
@@ -148,6 +147,6 @@ def write_config(cfg: Config) -> None:
     """The run's resolved config as config.yaml in its folder, secrets masked (env.masked_vars)."""
     config_file = Path(cfg.logging.out_dir) / "config.yaml"
     try:
-        config_file.write_text(yaml.safe_dump(masked(cfg).to_dict(), sort_keys=False))
+        config_file.write_text(masked(cfg).to_yaml())
     except OSError as exc:
         raise StorageError(f"writing {config_file} failed ({exc})") from None

@@ -25,8 +25,8 @@ from PIL import Image
 from dataprep.encoders import ImageEncoder, TextEncoders, add_encoder_arguments, device_and_dtype
 from dataprep.format import DataprepError
 from flux_train.config import Config, ModelConfig, TrainConfig, load_config
-from flux_train.model.diffusers_adapter import diffusers_config, quiet_diffusers, save_diffusers, to_diffusers
 from flux_train.errors import Parser, UserError, reports_user_errors
+from flux_train.model.diffusers_adapter import diffusers_config, quiet_diffusers, save_diffusers, to_diffusers
 
 STEPS = 4  # Flux.1-schnell's sampler: 4 steps, guidance-distilled (no classifier-free guidance)
 # FLUX.1-schnell's scheduler_config.json: Euler over the flow, no resolution-dependent shift

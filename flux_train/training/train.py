@@ -19,20 +19,19 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import yaml
 
-from flux_train.training import checkpoint, preemption, preflight, run_folder
-from flux_train.model import flow
 from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
 from flux_train.data.sources import build_data, synthetic_samples
-from flux_train.model.diffusers_adapter import load_pretrained
 from flux_train.errors import Parser, StorageError, reports_user_errors
+from flux_train.kernels.fp8 import FP8Scaling
+from flux_train.model import flow
+from flux_train.model.diffusers_adapter import load_pretrained
+from flux_train.model.flux import build_model, check_weights, count_params, flops_per_sample, reference_init
+from flux_train.outputs.mllog import C, MLLogger
+from flux_train.training import checkpoint, preemption, preflight, run_folder
 from flux_train.training.evaluate import Evaluator
 from flux_train.training.heartbeat import Heartbeat
-from flux_train.kernels.fp8 import FP8Scaling
 from flux_train.training.metrics import LogWindow, Metrics
-from flux_train.outputs.mllog import C, MLLogger
-from flux_train.model.flux import build_model, check_weights, count_params, flops_per_sample, reference_init
 from flux_train.training.optim import lr_at
 from flux_train.training.parallel import (
     build_training,
@@ -357,7 +356,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
-            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None), end="")
+            print(cfg.to_yaml(), end="")
             return 0
         trainer = Trainer(cfg)
         status = trainer.run()
