@@ -165,7 +165,7 @@ class PreflightConfig:
     enabled: bool = False
     gpu_name: str = ""  # a substring every GPU's name must contain, e.g. H200; empty: any
     # in the checkpoint and log folders; unset (null): what the plan says the checkpoints need,
-    # checkpoint.keep + 1 checkpoints of this model and layout (flux_train.tools.plan)
+    # checkpoint.keep + 1 checkpoints of this model and layout (flux_train.training.checkpoint.checkpoint_disk_gb)
     min_free_disk_gb: Optional[float] = None
     min_bus_bandwidth_gbps: float = 0.0  # all-reduce bus bandwidth over all ranks
     probe_mb: int = 256

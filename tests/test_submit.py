@@ -646,3 +646,28 @@ def test_system_configs_resolve_and_dry_run(capsys, tmp_path, system):
     nodes, gpus = (int(x) for x in system.split("_")[1].split("x")[:2])
     flags = sbatch_flags(capsys.readouterr().out.split("# ---- sbatch script ----\n", 1)[1])
     assert flags["--nodes"] == str(nodes) and flags["--gpus-per-node"] == str(gpus)
+
+
+def test_the_dry_run_starts_with_what_the_job_will_do(capsys, tmp_path):
+    """Ahead of the script: the split of the batch, the folders, the checkpoints, pre-flight, the container; the
+    interface variables' `auto` is said to be resolved on each node; an image path missing here is a warning."""
+    argv = ["--config", "configs/systems/H200_08x08.yaml", "--dry-run", "--set", f"slurm.folder={tmp_path}/s/%j"]
+    assert sub.main([*argv, "--container-image", str(tmp_path / "missing.sqsh")]) == 0
+    out, err = capsys.readouterr()
+    job = out.split("# ---- the job ----\n", 1)[1].split("# ---- sbatch script ----", 1)[0]
+    for said in (
+        "8 node(s) x 8 GPUs = 64 workers, ddp",
+        "global batch 1024 = micro-batch 16 x accumulation 1 x 64 GPUs",
+        "run folder runs/flux",
+        "checkpoints in runs/flux/checkpoints: every 500 steps, the last 2 kept; resume auto",
+        f"pre-flight on; container pyxis, image {tmp_path / 'missing.sqsh'}",
+    ):
+        assert said in job, (said, job)
+    assert "NCCL_SOCKET_IFNAME=auto  # each node's default-route interface, found at start" in out
+    assert err.strip() == (
+        f"submit: warning: container.image {tmp_path / 'missing.sqsh'} does not exist on this host; the job's srun "
+        "fails unless the nodes have it at that path"
+    )
+    (tmp_path / "here.sqsh").write_bytes(b"")
+    assert sub.main([*argv, "--container-image", str(tmp_path / "here.sqsh")]) == 0
+    assert capsys.readouterr().err == ""

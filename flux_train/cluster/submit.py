@@ -40,11 +40,21 @@ from pathlib import Path
 from dataprep.lifetime import die_with_parent
 from flux_train.cluster import container
 from flux_train.cluster.launch import NodeAgent, env_vars, write_config
-from flux_train.config import CONFIG_DIR, Config, ContainerConfig, load_config, mesh_shape, validate
+from flux_train.config import (
+    CONFIG_DIR,
+    Config,
+    ContainerConfig,
+    accumulation_steps,
+    eval_interval_steps,
+    load_config,
+    mesh_shape,
+    validate,
+)
 from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
 from flux_train.masking import mask_text, masked
 from flux_train.private_apis import sbatch_script
 from flux_train.training import preemption
+from flux_train.training.checkpoint import checkpoint_dir
 
 RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
 
@@ -290,8 +300,37 @@ def resolve_config(args: argparse.Namespace) -> Config:
 # the three ways out
 
 
+def local_image_missing(c: ContainerConfig) -> bool:
+    """An image named by a path (pyxis' squashfs, apptainer's .sif) that this host does not have: the nodes, which
+    usually share the submit host's filesystems, will not have it either."""
+    image = c.image or ""
+    is_path = image.startswith(("/", "./", "../")) or image.endswith((".sqsh", ".sif"))
+    return c.runtime in ("pyxis", "apptainer") and is_path and not Path(image).exists()
+
+
+def job_summary(cfg: Config, runs: int) -> list[str]:
+    """What the job will do, in a few lines, ahead of the script that does it."""
+    s, t, c = cfg.slurm, cfg.train, cfg.container
+    world = s.nodes * s.gpus_per_node
+    ckpt = cfg.checkpoint
+    saves = f"every {ckpt.every_steps} steps, the last {ckpt.keep} kept" if ckpt.every_steps else "none on a cadence"
+    image = f"{c.runtime}, image {c.image}" if c.runtime != "none" else "none (the submit host's Python on each node)"
+    return [
+        f"{s.nodes} node(s) x {s.gpus_per_node} GPUs = {world} workers, {cfg.parallel.strategy}, compute "
+        f"{t.compute_dtype}, FP8 {cfg.perf.fp8}",
+        f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation "
+        f"{accumulation_steps(cfg, world)} x {world} GPUs; at most {t.max_steps} steps, eval every "
+        f"{eval_interval_steps(cfg)} steps against {cfg.eval.target}",
+        f"run folder {cfg.logging.out_dir}" + (f" (+ a folder per run of the {runs})" if runs > 1 else ""),
+        f"checkpoints in {checkpoint_dir(cfg)}: {saves}; resume {ckpt.resume}",
+        f"pre-flight {'on' if cfg.preflight.enabled else 'off (--skip-preflight)'}; container {image}; "
+        f"time limit {s.time_min} min, requeued up to {s.max_requeue} times",
+        f"data {cfg.data.source}" + (f" from {cfg.data.path}" if cfg.data.path else ""),
+    ]
+
+
 def dry_run(cfg: Config, runs: int) -> None:
-    from flux_train.cluster.launch import Node, local_dir_for, wanted_env, worker_args
+    from flux_train.cluster.launch import IFNAME_VARS, Node, local_dir_for, wanted_env, worker_args
 
     cfg = masked(cfg)  # everything shown is built from the config with its secrets masked
     folder = os.path.abspath(cfg.slurm.folder)
@@ -303,7 +342,9 @@ def dry_run(cfg: Config, runs: int) -> None:
     command = shlex.split(script.split("\n# command\n", 1)[1].split("\n# teardown\n", 1)[0])
     node = Node("%j", 0, cfg.slurm.nodes, "<node>", "<first host>", 0)
     local_dir = local_dir_for(cfg, node)
-    print("# flux-train dry run: nothing was submitted\n# ---- sbatch script ----")
+    print("# flux-train dry run: nothing was submitted\n# ---- the job ----")
+    print("\n".join("#   " + line for line in job_summary(cfg, runs)))
+    print("# ---- sbatch script ----")
     print(script)
     print("# ---- per-node command (srun runs it once per node), one argument per line ----")
     print("\n".join("  " + shlex.quote(arg) for arg in command[command.index("srun") :]))
@@ -311,7 +352,10 @@ def dry_run(cfg: Config, runs: int) -> None:
         "# ---- then on each node, flux_train.cluster.launch: environment (a variable already set in the job wins) ----"
     )
     for key, value in wanted_env(cfg, local_dir).items():
-        print(f"  {key}={shlex.quote(value)}")
+        note = (
+            "  # each node's default-route interface, found at start" if key in IFNAME_VARS and value == "auto" else ""
+        )
+        print(f"  {key}={shlex.quote(value)}{note}")
     print(
         f"# ---- and {cfg.slurm.gpus_per_node} workers per node x {cfg.slurm.nodes} nodes, torch elastic "
         f"launch with static rendezvous on the first host, each running ----"
@@ -423,6 +467,12 @@ def main(argv=None) -> int:
     from flux_train.tools.plan import submit_line  # imports torch (the model's size): only once the config is good
 
     plan = submit_line(cfg)  # refuses a job whose memory cannot fit its GPUs, naming what would
+    if local_image_missing(cfg.container):
+        print(
+            f"submit: warning: container.image {cfg.container.image} does not exist on this host; the job's srun "
+            "fails unless the nodes have it at that path",
+            file=sys.stderr,
+        )
     if args.dry_run:
         print(plan)
         dry_run(cfg, args.runs)
