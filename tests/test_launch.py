@@ -367,7 +367,9 @@ def test_local_run_masks_secrets_and_a_killed_agent_takes_its_workers_along(tmp_
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGKILL, err
-    assert err.splitlines()[-1] == f"submit --local: the agent (pid {agent}) was killed by SIGKILL"
+    assert (
+        err.splitlines()[-1] == f"submit --local: job local-{proc.pid}: the agent (pid {agent}) was killed by SIGKILL"
+    )
     assert not [value for value in SECRETS.values() if value in out + err]
     assert "export HF_TOKEN=***" in err and "export SITE_AUTH=***" in err
     assert "kept from the job's environment: WANDB_API_KEY=***" in err
@@ -378,6 +380,7 @@ def test_local_run_masks_secrets_and_a_killed_agent_takes_its_workers_along(tmp_
     }
     private = [*(tmp_path / "sub").glob("*/config.yaml"), *(tmp_path / "node").glob("*/config.yaml")]
     assert len(private) == 2 and all(path.stat().st_mode & 0o077 == 0 for path in private)
+    assert all(f"local-{proc.pid}" in str(path.parent) for path in private)  # one job id: submit's, the agent's
 
 
 @pytest.mark.slow
@@ -511,3 +514,19 @@ def test_the_worker_leaves_with_the_trainers_exit_code():
     assert ok.returncode == 0 and "flavor: flux-debug" in ok.stdout
     bad = subprocess.run([*run, "--set", "train.lr=abc"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip() == "config error: train.lr: expected a number, got str 'abc'"
+
+
+@pytest.mark.slow
+def test_a_local_run_says_its_job_where_its_outputs_are_and_why_it_ended(tmp_path):
+    """`submit --local` to the step cap: one job id throughout, the run folder named at the end, and the trainer's
+    last line says why the run ended `aborted`."""
+    proc = local_run(tmp_path, {"train.max_steps": 2}, {})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert (
+        "finished at step 2, status aborted (train.max_steps 2 reached before an eval reached the target" in out + err
+    )
+    assert (
+        out.splitlines()[-1]
+        == f"submit --local: job local-{proc.pid} ended; the run's outputs are in {tmp_path / 'out'}"
+    )

@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROFILES = REPO / "slurm" / "env"
 TUNABLES = REPO / "slurm" / "runtime_tunables.sh"
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+LOCAL_JOB_ID_ENV = "FLUX_LOCAL_JOB_ID"
 # scratch folders that belong to this node: a value inherited from the submitting shell (a login node's path,
 # or the /tmp default torch writes into its own process's environment) is replaced; env.vars can still set them
 NODE_LOCAL_VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR")
@@ -67,7 +68,8 @@ class Node:
     @classmethod
     def detect(cls, local: bool = False) -> "Node":
         if local or "SLURM_JOB_ID" not in os.environ:
-            return cls(f"local-{os.getpid()}", 0, 1, "127.0.0.1", "127.0.0.1", 0)
+            # submit --local names the job (its folder has the id); an agent started by hand names its own
+            return cls(os.environ.get(LOCAL_JOB_ID_ENV, f"local-{os.getpid()}"), 0, 1, "127.0.0.1", "127.0.0.1", 0)
         # submitit expands SLURM_JOB_NODELIST itself: no scontrol needed inside a container
         from submitit.slurm.slurm import SlurmJobEnvironment
 

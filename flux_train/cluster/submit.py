@@ -39,7 +39,7 @@ from pathlib import Path
 
 from dataprep.lifetime import die_with_parent
 from flux_train.cluster import container
-from flux_train.cluster.launch import NodeAgent, env_vars, write_config
+from flux_train.cluster.launch import LOCAL_JOB_ID_ENV, NodeAgent, env_vars, write_config
 from flux_train.config import (
     CONFIG_DIR,
     Config,
@@ -379,7 +379,8 @@ def run_local(cfg: Config, runs: int) -> int:
 
 
 def run_one_local(cfg: Config) -> int:
-    run_dir = Path(cfg.slurm.folder.replace("%j", f"local-{os.getpid()}")).resolve()
+    job_id = f"local-{os.getpid()}"  # one id for the folder and the agent's log lines
+    run_dir = Path(cfg.slurm.folder.replace("%j", job_id)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
     write_config(cfg, config_file)
@@ -390,13 +391,19 @@ def run_one_local(cfg: Config) -> int:
     argv = [*python, "-u", "-m", "flux_train.cluster.launch", "--local", "--config", str(config_file)]
     print(f"running on this machine: {shlex.join(mask_text(arg, cfg.env.masked_vars) for arg in argv)}", flush=True)
     # the agent gets SIGTERM (and passes it on to its workers) when this process ends, even by SIGKILL
-    agent = subprocess.Popen(argv, preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM))
+    agent = subprocess.Popen(
+        argv,
+        env={**os.environ, LOCAL_JOB_ID_ENV: job_id},
+        preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),
+    )
     try:
         code = agent.wait()
     except KeyboardInterrupt:  # Ctrl-C reached the agent as well: it stops its workers
         code = agent.wait()
     if code:
-        print(f"submit --local: the agent (pid {agent.pid}) {ended(code)}", file=sys.stderr, flush=True)
+        print(f"submit --local: job {job_id}: the agent (pid {agent.pid}) {ended(code)}", file=sys.stderr, flush=True)
+    else:
+        print(f"submit --local: job {job_id} ended; the run's outputs are in {Path(cfg.logging.out_dir).resolve()}")
     return 128 - code if code < 0 else code
 
 

@@ -276,7 +276,13 @@ class Trainer:
             self.evaluator.after(self.state.step)
         else:
             self.evaluator.report()
-        self._say(f"finished at step {self.state.step}, status {status.value}")
+        why = {
+            Status.SUCCESS: f"an eval reached the target {cfg.eval.target}",
+            Status.ABORTED: f"train.max_steps {t.max_steps} reached before an eval reached the target {cfg.eval.target}",
+            Status.PREEMPTED: "Slurm's warning signal: checkpoint saved, the job requeues",
+            Status.DIVERGED: "a non-finite loss or gradient norm",
+        }[status]
+        self._say(f"finished at step {self.state.step}, status {status.value} ({why})")
         return status
 
     def _train(self, metrics: Metrics) -> Status:
