@@ -115,7 +115,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("root", type=Path, help="dataset root (holding train/ and val/)")
     r.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="indexing processes")
 
-    v = sub.add_parser("verify", help="open through energon and check every sample; non-zero exit on defects")
+    v = sub.add_parser(
+        "verify",
+        help="open through energon and check every sample; non-zero exit on defects",
+        description="Open the dataset through energon as the trainer does and check every sample; exit 1 and each "
+        "defect named, if there are any.",
+    )
     v.add_argument("root", type=Path, help="dataset root (holding .nv-meta/, train/, val/, empty_encodings/)")
     v.add_argument(
         "--shape",
@@ -130,7 +135,11 @@ def parser() -> argparse.ArgumentParser:
         help="energon loader worker processes (0: read in this process)",
     )
 
-    f = sub.add_parser("fixture", help="a tiny dataset in the same format, for tests and debug runs")
+    f = sub.add_parser(
+        "fixture",
+        help="a tiny dataset in the same format, for tests and debug runs",
+        description="Write a tiny random dataset in the real on-disk format, for tests and debug runs.",
+    )
     f.add_argument("--out", type=Path, required=True, help="dataset root to write")
     f.add_argument("--train", type=int, default=16, help="train samples")
     f.add_argument("--val", type=int, default=16, help="val samples (copies of train arrays, own keys)")

@@ -16,7 +16,7 @@ from dataprep import progress
 from dataprep.__main__ import main as dataprep
 from flux_train.cluster import submit
 from flux_train.outputs import results
-from flux_train.tools import bench, plan
+from flux_train.tools import bench, plan, reduce_precision
 from flux_train.training import checkpoint, sample, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +30,7 @@ COMMANDS = {
     "python -m flux_train.results": results.main,
     "python -m flux_train.checkpoint": checkpoint.main,
     "python -m flux_train.sample": sample.main,
+    "python -m flux_train.reduce_precision": reduce_precision.main,
 }
 
 
@@ -52,7 +53,8 @@ def printed_help(main, argv, monkeypatch, capsys) -> argparse.ArgumentParser:
 def undocumented(main, argv, monkeypatch, capsys) -> list[str]:
     """Flags, positionals and subcommands without help, in this (sub)command and every subcommand below it."""
     parser = printed_help(main, argv, monkeypatch, capsys)
-    missing = []
+    # what the command does, in whole sentences (a docstring's first line was cut mid-sentence)
+    missing = [] if (parser.description or "").strip().endswith(".") else [" ".join(argv) + " (description)"]
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
             continue
@@ -73,15 +75,15 @@ def test_every_flag_of_every_subcommand_has_help(command, monkeypatch, capsys):
 
 def test_the_help_walk_finds_a_flag_without_help(monkeypatch, capsys):
     def tool(argv):
-        p = argparse.ArgumentParser(prog="tool")
+        p = argparse.ArgumentParser(prog="tool", description="A tool.")
         sub = p.add_subparsers(dest="cmd")
-        run = sub.add_parser("run", help="runs")
+        run = sub.add_parser("run", help="runs", description="Runs, cut mid-sentence by a docstring's")
         run.add_argument("--fast", help="faster")
         run.add_argument("--quiet", action="store_true")
-        sub.add_parser("stop")
+        sub.add_parser("stop", description="Stops.")
         p.parse_args(argv)
 
-    assert undocumented(tool, [], monkeypatch, capsys) == ["run --quiet", "stop (subcommand)"]
+    assert undocumented(tool, [], monkeypatch, capsys) == ["run (description)", "run --quiet", "stop (subcommand)"]
 
 
 def test_print_config_shows_defaults_and_overrides_resolved(capsys):

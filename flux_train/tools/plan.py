@@ -668,7 +668,11 @@ def node_counts(text: str) -> list[int]:
 
 @reports_user_errors
 def main(argv=None) -> int:
-    p = Parser(prog="python -m flux_train.plan", description=__doc__.splitlines()[0])
+    p = Parser(
+        prog="python -m flux_train.plan",
+        description="What a run will take before it is spent: memory per GPU and whether it fits, step time, "
+        "time-to-train from the MLPerf reference convergence points, and checkpoint disk, from measured figures.",
+    )
     p.add_argument("--config", required=True, help="the run's config, e.g. configs/systems/H200_01x08.yaml")
     p.add_overrides()
     p.add_argument(

@@ -368,9 +368,14 @@ def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
 def main(argv=None) -> int:
     from flux_train.config import load_config
 
-    p = Parser(prog="python -m flux_train.checkpoint")
+    p = Parser(prog="python -m flux_train.checkpoint", description="Tools for a run's checkpoints: export one's model.")
     sub = p.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("export", help="write a checkpoint's model as a diffusers FluxTransformer2DModel folder")
+    ex = sub.add_parser(
+        "export",
+        help="write a checkpoint's model as a diffusers FluxTransformer2DModel folder",
+        description="Write a checkpoint's model as a diffusers FluxTransformer2DModel folder (config.json + "
+        "safetensors), without a GPU or a process group.",
+    )
     ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
     ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
     ex.add_argument("--out", required=True, help="the diffusers folder to write (config.json + safetensors)")

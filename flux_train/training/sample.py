@@ -174,7 +174,11 @@ def run_config_file(checkpoint: Path) -> Path:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog="python -m flux_train.sample", description=__doc__.splitlines()[0])
+    p = Parser(
+        prog="python -m flux_train.sample",
+        description="Images from a trained model's checkpoint or exported weights, through diffusers' FluxPipeline "
+        "with the Flux.1-schnell sampler, from local weights only.",
+    )
     p.add_argument(
         "--checkpoint",
         type=Path,
