@@ -4,9 +4,7 @@ kernels. The rows' measuring needs a GPU (tests/gpu_check.sh); this is the part 
 
 import json
 
-import pytest
-
-from flux_train.tools import bench
+from flux_train.tools import bench, bench_table
 
 STOCK = {
     "mode": "fwdbwd",
@@ -57,33 +55,8 @@ def test_table_gives_ratios_efficiency_and_top_kernels(tmp_path, capsys):
     ]
 
 
-class FakeProfile:
-    """torch.profiler.profile yielding given CUDA kernel events (name, start us, end us): CI has no GPU, so
-    this stands in for the profiler's CUDA activity; the aggregation under test is bench's own."""
-
-    def __init__(self, kernels):
-        from types import SimpleNamespace as NS
-
-        self._events = [
-            NS(name=n, device_type=NS(name="CUDA"), time_range=NS(start=s, end=e)) for n, s, e in kernels
-        ] + [NS(name="cpu_op", device_type=NS(name="CPU"), time_range=NS(start=0, end=10**6))]
-
-    def __call__(self, activities):
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def events(self):
-        return self._events
-
-
-def test_profile_breakdown_sums_kinds_from_kernels_and_ranks_them(monkeypatch):
-    import torch
-
+def test_profile_breakdown_sums_kinds_from_kernels_and_ranks_them():
+    """The kernels a profile of two steps gave (name, start us, end us), summed by kind per step."""
     # two steps: per step a GEMM (2 ms), an amax (0.5 ms) launched twice, an all-gather overlapping the GEMM
     kernels = []
     for step in range(2):
@@ -94,12 +67,10 @@ def test_profile_breakdown_sums_kinds_from_kernels_and_ranks_them(monkeypatch):
             ("triton_red_fused_abs_amax_0", t + 2_250, t + 2_500),
             ("ncclDevKernel_AllGather", t + 500, t + 4_500),
         ]
-    monkeypatch.setattr(torch.profiler, "profile", FakeProfile(kernels))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    kinds, top = bench.profile_breakdown(lambda: None, steps=2, top=3)
+    kinds, top = bench_table.kernel_breakdown(kernels, wall_ms=10.0, steps=2, top=3)
     assert kinds["gemm"] == 2.0 and kinds["fp8 casts"] == 0.5 and kinds["nccl"] == 4.0
     assert kinds["compute busy"] == 2.5  # the NCCL kernel is not compute
-    assert kinds["compute idle"] == pytest.approx(kinds["step (profiled)"] - 2.5, abs=0.11)
+    assert kinds["compute idle"] == 7.5 and kinds["step (profiled)"] == 10.0
     assert top == [
         ["ncclDevKernel_AllGather", "nccl", 4.0, 1],
         ["nvjet_tst_128x256", "gemm", 2.0, 1],

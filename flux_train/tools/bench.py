@@ -42,6 +42,7 @@ from flux_train.kernels.fp8 import FP8Scaling
 from flux_train.model import flow
 from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.model.flux import build_model, flops_per_sample, init_weights, is_token_linear
+from flux_train.tools.bench_table import kernel_breakdown, precision_of, print_table, read_rows
 from flux_train.training.perf import (
     CudaGraph,
     apply_fp8,
@@ -123,24 +124,10 @@ def free_memory() -> None:
 
 # ------------------------------------------------------------------------------------ GPU time by kind
 
-# first match wins: attention kernels carry cutlass in their names, our AdamW kernel "adamw"; inductor names a
-# kernel after the ops it fused, so its dtype casts (FP8 ones included) say `_to_copy` and count with the copies,
-# while "fp8 casts" are the kernels that name amax or the FP8 types
-KERNEL_KINDS = (
-    ("nccl", ("nccl",)),
-    ("attention", ("flash", "fmha", "sdpa")),
-    ("optimizer + clip", ("adamw", "adam", "multi_tensor", "foreach", "norm_kernel", "reduce_kernel", "lerp")),
-    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
-    ("fp8 casts", ("amax", "float8", "fp8", "cast_transpose")),
-    ("copies, dtype casts", ("chunk_cat", "split_with_sizes", "copy", "catarray")),
-    ("elementwise (triton)", ("triton",)),
-)
-
 
 def profile_breakdown(run, steps: int = 3, top: int = 25) -> tuple[dict, list]:
-    """ms per step of GPU kernel time by kind (KERNEL_KINDS + other), and the compute stream's idle time
-    (the step minus the union of non-NCCL kernels: exposed communication and CPU stalls); and the `top`
-    kernels by time, [name, kind, ms per step, launches per step], to say which kernel a kind's time is."""
+    """`run` profiled for `steps` calls: its CUDA kernels' time by kind and the top kernels
+    (bench_table.kernel_breakdown)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -150,35 +137,12 @@ def profile_breakdown(run, steps: int = 3, top: int = 25) -> tuple[dict, list]:
             run()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1000 / steps
-    per_kernel: dict[str, list] = {}  # name -> [kind, ms, launches]
-    spans = []
-    for e in prof.events():
-        if e.device_type.name != "CUDA" or e.time_range.end <= e.time_range.start:
-            continue
-        if e.name not in per_kernel:
-            name = e.name.lower()
-            kind = next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "other")
-            per_kernel[e.name] = [kind, 0.0, 0]
-        entry = per_kernel[e.name]
-        entry[1] += (e.time_range.end - e.time_range.start) / 1000
-        entry[2] += 1
-        if entry[0] != "nccl":
-            spans.append((e.time_range.start, e.time_range.end))
-    busy, end = 0.0, None
-    for s, e in sorted(spans):
-        if end is None or s > end:
-            busy, end = busy + (e - s), e
-        elif e > end:
-            busy, end = busy + (e - end), e
-    kinds = {k: 0.0 for k, _ in KERNEL_KINDS} | {"other": 0.0}
-    for kind, ms, _ in per_kernel.values():
-        kinds[kind] += ms
-    out = {k: round(v / steps, 1) for k, v in kinds.items()}
-    out["compute busy"] = round(busy / 1000 / steps, 1)
-    out["compute idle"] = round(wall_ms - busy / 1000 / steps, 1)
-    out["step (profiled)"] = round(wall_ms, 1)
-    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
-    return out, [[name[:120], kind, round(ms / steps, 2), count // steps] for name, (kind, ms, count) in ranked]
+    kernels = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+    ]
+    return kernel_breakdown(kernels, wall_ms, steps, top)
 
 
 # ------------------------------------------------------------------------------------ one GPU, fwd + bwd
@@ -261,12 +225,6 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
     if args.profile:
         result["profile"], result["top_kernels"] = profile_breakdown(run)
     return result
-
-
-def precision_of(row: str, cfg: Config) -> str:
-    if "-fp8-" in row:
-        return "fp8 " + row.split("-fp8-")[1]
-    return "bf16" if row.startswith("stock") or cfg.perf.fp8 == "none" else f"fp8 {cfg.perf.fp8}"
 
 
 # ------------------------------------------------------------------------------------ FP8 casts alone
@@ -424,7 +382,6 @@ def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
     time while an async save is being written, for this trainer's full state. Each figure is printed on rank 0
     as it is measured (`CHECKPOINT key value`), so a run cut short by a time limit still reports what it got;
     the GB/s rates carry the figures over to a larger model on the same disk."""
-    from pathlib import Path
 
     from flux_train.training import checkpoint
 
@@ -511,104 +468,6 @@ def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, tuple | None]:
 
 
 # ------------------------------------------------------------------------------------ the table
-
-
-def print_table(rows: list[dict]) -> None:
-    """Rows of one or more bench runs: throughput, ratios to stock, step efficiency, profiles."""
-
-    def stock_for(r):
-        return next(
-            (
-                s
-                for s in rows
-                if s["mode"] == r["mode"]
-                and s["row"] == "stock"
-                and s["batch"] == r["batch"]
-                and s.get("blocks") == r.get("blocks")
-                and "error" not in s
-            ),
-            None,
-        )
-
-    def fwdbwd_for(r):
-        return next(
-            (
-                s
-                for s in rows
-                if s["mode"] == "fwdbwd"
-                and s["row"].startswith("ours")
-                and s["row"] not in ("ours-no-graphs", "ours-no-compile", "ours-torch-rmsnorm")
-                and s.get("precision") == r.get("precision")
-                and s["batch"] == r["batch"]
-                and s.get("blocks") == r.get("blocks")
-                and "error" not in s
-            ),
-            None,
-        )
-
-    print(
-        f"\n{'mode':6s} {'row':58s} {'batch':>5s} {'samples/s/GPU':>13s} {'MFU %':>6s} {'peak GiB':>8s} "
-        f"{'vs stock':>8s} {'step eff':>8s} {'eval/s/GPU':>10s}"
-    )
-    casts = [r for r in rows if r["mode"] == "casts"]
-    rows = [r for r in rows if r["mode"] != "casts"]
-    for r in rows:
-        name = r.get("label", r["row"]) + (f" [{r['precision']}]" if "precision" in r else "")
-        name += f" {r['attention']}" if r.get("attention") and not r["row"].startswith("stock") else ""
-        if "error" in r:
-            print(f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['error']}")
-            continue
-        stock, ref = stock_for(r), fwdbwd_for(r) if r["mode"] == "step" else None
-        ratio = f"{r['samples_s_per_gpu'] / stock['samples_s_per_gpu']:.2f}x" if stock else "-"
-        eff = f"{r['samples_s_per_gpu'] / ref['samples_s_per_gpu']:.2f}" if ref else "-"
-        mfu = 100 * r["samples_s_per_gpu"] * r["flops_per_sample"] / 1e12 / r["ceiling_tflops"]
-        print(
-            f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['samples_s_per_gpu']:13.2f} {mfu:6.1f} "
-            f"{r['peak_gib']:8.1f} {ratio:>8s} {eff:>8s} {r.get('eval_samples_s_per_gpu', '-'):>10}"
-        )
-    for r in casts:
-        print(
-            f"\nFP8 casts alone, {r['row']}, batch {r['batch']}: {r['ms']} ms per forward+backward, byte floor "
-            f"{r['floor_ms']} ms at {r['copy_tb_s']} TB/s ({r['ms'] / r['floor_ms']:.2f}x)"
-        )
-        for m, k, count, us, gbps in r["shapes"]:
-            print(f"  {m:6d} x {k:6d} x{count:4d}: {us:8.1f} us {gbps:6d} GB/s")
-    profiled = [r for r in rows if "profile" in r]
-    if profiled:
-        kinds = list(profiled[0]["profile"])
-        print("\nGPU time per step (ms), by kernel kind; idle = step - compute-stream busy")
-        print(
-            f"{'kind':28s}"
-            + "".join(f" {(r.get('label', r['row']) + ' ' + r.get('precision', ''))[:22]:>23s}" for r in profiled)
-        )
-        for kind in kinds:
-            print(f"{kind:28s}" + "".join(f" {r['profile'].get(kind, 0):23.1f}" for r in profiled))
-        for r in profiled:
-            print(
-                f"\ntop kernels, {r.get('label', r['row'])} {r.get('precision', '')}: ms/step launches/step kind name"
-            )
-            for name, kind, ms, count in r.get("top_kernels", []):
-                print(f"  {ms:9.2f} {count:6d} {kind[:12]:12s} {name[:90]}")
-
-
-def read_rows(path: str, flag: str = "--table") -> list[dict]:
-    """The rows of a --json file (for --table, and the planner's --measured)."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise UserError(f"{flag} {path}: {exc.strerror}; give a file that --json wrote") from None
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            row = None
-        if not (isinstance(row, dict) and {"mode", "row"} <= row.keys()):
-            raise UserError(f"{flag} {path}: line {n} is not a bench row; give a file that --json wrote")
-        rows.append(row)
-    return rows
 
 
 @reports_user_errors

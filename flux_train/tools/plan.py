@@ -49,7 +49,7 @@ from flux_train.errors import Parser, UserError, positive_int, positive_number, 
 from flux_train.model.flux import flops_per_sample, param_count
 from flux_train.outputs.results import BENCHMARK, RULESET, USAGE
 from flux_train.private_apis import rcp_records
-from flux_train.tools.bench import precision_of, read_rows
+from flux_train.tools.bench_table import precision_of, read_rows
 from flux_train.training.checkpoint import checkpoint_bytes, checkpoint_disk_gb
 from flux_train.training.parallel import reduce_dtype
 

@@ -1,0 +1,162 @@
+"""The GPU-free half of the bench: rows read back, the table printed (ratios to the stock row of the same call,
+step efficiency, profiles), the kernels of a profile summed by kind. `python -m flux_train.bench --table FILE`
+runs it on any host; flux_train.tools.bench measures the rows on GPUs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flux_train.config import Config
+from flux_train.errors import UserError
+
+# first match wins: attention kernels carry cutlass in their names, our AdamW kernel "adamw"; inductor names a
+# kernel after the ops it fused, so its dtype casts (FP8 ones included) say `_to_copy` and count with the copies,
+# while "fp8 casts" are the kernels that name amax or the FP8 types
+KERNEL_KINDS = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "sdpa")),
+    ("optimizer + clip", ("adamw", "adam", "multi_tensor", "foreach", "norm_kernel", "reduce_kernel", "lerp")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
+    ("fp8 casts", ("amax", "float8", "fp8", "cast_transpose")),
+    ("copies, dtype casts", ("chunk_cat", "split_with_sizes", "copy", "catarray")),
+    ("elementwise (triton)", ("triton",)),
+)
+
+
+def kernel_breakdown(kernels: list[tuple[str, float, float]], wall_ms: float, steps: int, top: int = 25):
+    """From the CUDA kernels of `steps` profiled steps ((name, start us, end us)) and the profiled wall time per
+    step: ms per step of kernel time by kind (KERNEL_KINDS + other), the compute stream's busy and idle time (the
+    step minus the union of non-NCCL kernels: exposed communication and CPU stalls); and the `top` kernels by
+    time, [name, kind, ms per step, launches per step], to say which kernel a kind's time is."""
+    per_kernel: dict[str, list] = {}  # name -> [kind, ms, launches]
+    spans = []
+    for name, start, end in kernels:
+        if name not in per_kernel:
+            lower = name.lower()
+            kind = next((k for k, keys in KERNEL_KINDS if any(s in lower for s in keys)), "other")
+            per_kernel[name] = [kind, 0.0, 0]
+        entry = per_kernel[name]
+        entry[1] += (end - start) / 1000
+        entry[2] += 1
+        if entry[0] != "nccl":
+            spans.append((start, end))
+    busy, last = 0.0, None
+    for s, e in sorted(spans):
+        if last is None or s > last:
+            busy, last = busy + (e - s), e
+        elif e > last:
+            busy, last = busy + (e - last), e
+    by_kind = {k: 0.0 for k, _ in KERNEL_KINDS} | {"other": 0.0}
+    for kind, ms, _ in per_kernel.values():
+        by_kind[kind] += ms
+    out = {k: round(v / steps, 1) for k, v in by_kind.items()}
+    out["compute busy"] = round(busy / 1000 / steps, 1)
+    out["compute idle"] = round(wall_ms - busy / 1000 / steps, 1)
+    out["step (profiled)"] = round(wall_ms, 1)
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    return out, [[name[:120], kind, round(ms / steps, 2), count // steps] for name, (kind, ms, count) in ranked]
+
+
+def precision_of(row: str, cfg: Config) -> str:
+    if "-fp8-" in row:
+        return "fp8 " + row.split("-fp8-")[1]
+    return "bf16" if row.startswith("stock") or cfg.perf.fp8 == "none" else f"fp8 {cfg.perf.fp8}"
+
+
+def print_table(rows: list[dict]) -> None:
+    """Rows of one or more bench runs: throughput, ratios to stock, step efficiency, profiles."""
+
+    def stock_for(r):
+        return next(
+            (
+                s
+                for s in rows
+                if s["mode"] == r["mode"]
+                and s["row"] == "stock"
+                and s["batch"] == r["batch"]
+                and s.get("blocks") == r.get("blocks")
+                and "error" not in s
+            ),
+            None,
+        )
+
+    def fwdbwd_for(r):
+        return next(
+            (
+                s
+                for s in rows
+                if s["mode"] == "fwdbwd"
+                and s["row"].startswith("ours")
+                and s["row"] not in ("ours-no-graphs", "ours-no-compile", "ours-torch-rmsnorm")
+                and s.get("precision") == r.get("precision")
+                and s["batch"] == r["batch"]
+                and s.get("blocks") == r.get("blocks")
+                and "error" not in s
+            ),
+            None,
+        )
+
+    print(
+        f"\n{'mode':6s} {'row':58s} {'batch':>5s} {'samples/s/GPU':>13s} {'MFU %':>6s} {'peak GiB':>8s} "
+        f"{'vs stock':>8s} {'step eff':>8s} {'eval/s/GPU':>10s}"
+    )
+    casts = [r for r in rows if r["mode"] == "casts"]
+    rows = [r for r in rows if r["mode"] != "casts"]
+    for r in rows:
+        name = r.get("label", r["row"]) + (f" [{r['precision']}]" if "precision" in r else "")
+        name += f" {r['attention']}" if r.get("attention") and not r["row"].startswith("stock") else ""
+        if "error" in r:
+            print(f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['error']}")
+            continue
+        stock, ref = stock_for(r), fwdbwd_for(r) if r["mode"] == "step" else None
+        ratio = f"{r['samples_s_per_gpu'] / stock['samples_s_per_gpu']:.2f}x" if stock else "-"
+        eff = f"{r['samples_s_per_gpu'] / ref['samples_s_per_gpu']:.2f}" if ref else "-"
+        mfu = 100 * r["samples_s_per_gpu"] * r["flops_per_sample"] / 1e12 / r["ceiling_tflops"]
+        print(
+            f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['samples_s_per_gpu']:13.2f} {mfu:6.1f} "
+            f"{r['peak_gib']:8.1f} {ratio:>8s} {eff:>8s} {r.get('eval_samples_s_per_gpu', '-'):>10}"
+        )
+    for r in casts:
+        print(
+            f"\nFP8 casts alone, {r['row']}, batch {r['batch']}: {r['ms']} ms per forward+backward, byte floor "
+            f"{r['floor_ms']} ms at {r['copy_tb_s']} TB/s ({r['ms'] / r['floor_ms']:.2f}x)"
+        )
+        for m, k, count, us, gbps in r["shapes"]:
+            print(f"  {m:6d} x {k:6d} x{count:4d}: {us:8.1f} us {gbps:6d} GB/s")
+    profiled = [r for r in rows if "profile" in r]
+    if profiled:
+        kinds = list(profiled[0]["profile"])
+        print("\nGPU time per step (ms), by kernel kind; idle = step - compute-stream busy")
+        print(
+            f"{'kind':28s}"
+            + "".join(f" {(r.get('label', r['row']) + ' ' + r.get('precision', ''))[:22]:>23s}" for r in profiled)
+        )
+        for kind in kinds:
+            print(f"{kind:28s}" + "".join(f" {r['profile'].get(kind, 0):23.1f}" for r in profiled))
+        for r in profiled:
+            print(
+                f"\ntop kernels, {r.get('label', r['row'])} {r.get('precision', '')}: ms/step launches/step kind name"
+            )
+            for name, kind, ms, count in r.get("top_kernels", []):
+                print(f"  {ms:9.2f} {count:6d} {kind[:12]:12s} {name[:90]}")
+
+
+def read_rows(path: str, flag: str = "--table") -> list[dict]:
+    """The rows of a --json file (for --table, and the planner's --measured)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: {exc.strerror}; give a file that --json wrote") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not (isinstance(row, dict) and {"mode", "row"} <= row.keys()):
+            raise UserError(f"{flag} {path}: line {n} is not a bench row; give a file that --json wrote")
+        rows.append(row)
+    return rows
