@@ -47,8 +47,9 @@ def one_rank(tmp_path_factory):
         (1, ["--set", "parallel.strategy=ddp"]),  # flat buffers, clipping folded into the AdamW kernel, accumulation 4
         (2, ["--set", "parallel.strategy=ddp"]),  # + one reduce-scatter / all-gather per step after 2 micro-batches
         (2, ["--set", "parallel.strategy=ddp", "--set", "parallel.dp_replicate=2"]),  # + the shard all-reduce
+        (1, ["--set", "parallel.activation_checkpointing=true"]),  # each block's forward again in backward
     ],
-    ids=["fsdp-hsdp", "ddp-1", "ddp-2", "ddp-hsdp"],
+    ids=["fsdp-hsdp", "ddp-1", "ddp-2", "ddp-hsdp", "activation-checkpointing"],
 )
 @pytest.mark.slow
 def test_layouts_and_rank_counts_match_one_rank(tmp_path, one_rank, nproc, extra):

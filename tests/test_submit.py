@@ -671,3 +671,11 @@ def test_the_dry_run_starts_with_what_the_job_will_do(capsys, tmp_path):
     (tmp_path / "here.sqsh").write_bytes(b"")
     assert sub.main([*argv, "--container-image", str(tmp_path / "here.sqsh")]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_sbatch_without_a_slurm_configuration_is_not_blamed_on_partition_or_account():
+    """A host with the Slurm client but no cluster (sbatch: fatal: Could not establish a configuration source)."""
+    line = sub.sbatch_refusal("sbatch: fatal: Could not establish a configuration source")
+    assert "no Slurm configuration" in line and "--local" in line and "--dry-run" in line
+    assert "--partition" not in line and "--account" not in line
+    assert "--partition" in sub.sbatch_refusal("sbatch: error: Invalid account or account/partition combination")

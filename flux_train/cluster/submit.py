@@ -420,6 +420,11 @@ def ended(code: int) -> str:
 def sbatch_refusal(stderr: str) -> str:
     """The line for sbatch's refusal: its own reason (its last line), and what to check."""
     reason = (stderr.strip().splitlines() or ["no message"])[-1].removeprefix("sbatch: error: ")
+    if "configuration source" in reason.lower() or "slurm.conf" in reason.lower():  # the client without a cluster
+        return (
+            f"this host has Slurm's sbatch but no Slurm configuration ({reason}): submit from a Slurm login node, "
+            "or use --local to run on this machine, or --dry-run to see the job; nothing was queued"
+        )
     if "slurm controller" in reason.lower():
         return (
             f"sbatch cannot reach the Slurm controller ({reason}): check that slurmctld is up and reachable "
