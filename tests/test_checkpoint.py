@@ -163,7 +163,7 @@ def test_export_loads_with_diffusers_from_pretrained_and_reproduces_our_output(t
     checkpoint.dcp.load(state, checkpoint_id=str(out / "checkpoints" / "step_00000003"), no_dist=True)
     ours.load_state_dict(state["model"])
     ours.double()
-    for norm in ours.modules():  # diffusers' Q/K norms take eps 1e-6 (ours the dtype's machine epsilon, as the
+    for norm in ours.modules():  # diffusers' Q/K norms take eps 1e-6 (ours the op-math type's machine epsilon, as the
         if isinstance(norm, RMSNorm):  # reference's): the comparison is of the exported weights
             norm.eps = 1e-6
     assert not torch.all(state["model"]["final_layer.linear.weight"] == 0)  # trained away from its zero init

@@ -53,6 +53,66 @@ def test_triton_rmsnorm_forward_backward_vs_float64(shape, scale):
     assert (y.double() - yr).abs().max() <= (y_torch.double() - yr).abs().max() * 1.5 + 1e-6
 
 
+def torch_reference_norm(d: int, weight: torch.Tensor) -> torch.nn.RMSNorm:
+    """The reference's Q/K norm: torch's nn.RMSNorm with eps unset, in bf16 as FSDP2 casts it."""
+    norm = torch.nn.RMSNorm(d, device=weight.device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm
+
+
+def qk_rows(g: torch.Generator) -> torch.Tensor:
+    """bf16 q/k-like rows at scales from 1 down to 1e-4: below ~0.1 eps 2^-7 (bf16's) and 2^-23 (what torch takes)
+    give different outputs, by up to 100x at 1e-4."""
+    scales = torch.tensor([1.0, 0.3, 0.1, 1e-2, 1e-3, 1e-4], device=DEVICE).repeat_interleave(16)[:, None]
+    return (torch.randn(scales.shape[0], 128, device=DEVICE, generator=g) * scales).bfloat16()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_rmsnorm_default_eps_is_torchs_for_bf16_inputs(compiled):
+    """Our Q/K norm built without an eps (as the model builds it) against torch's nn.RMSNorm without one, on bf16:
+    the torch path bit for bit, eager and under torch.compile (each against torch's own norm run the same way).
+    torch takes its op-math type's epsilon (float32's 2^-23), not bf16's 2^-7."""
+    from flux_train.kernels import RMSNorm, default_eps
+
+    assert default_eps(torch.bfloat16) == default_eps(torch.float32) == 2**-23
+    assert default_eps(torch.float64) == torch.finfo(torch.float64).eps
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    x = qk_rows(g)
+    ours = RMSNorm(128, impl="torch", device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ours.scale.copy_(1 + 0.1 * torch.randn(128, device=DEVICE, generator=g))
+    theirs = torch_reference_norm(128, ours.scale.detach())
+    if compiled:
+        torch._dynamo.reset()
+        ours, theirs = torch.compile(ours), torch.compile(theirs)
+    with torch.no_grad():
+        want = theirs(x)
+        assert torch.equal(ours(x), want)
+        # the rule it replaces differs from torch's where rows are small
+        wrong = rms_norm_torch(x, ours.scale if not compiled else ours._orig_mod.scale, 2**-7)
+        assert not torch.equal(wrong, want)
+
+
+def test_triton_rmsnorm_default_eps_matches_torch_nn_rmsnorm_on_bf16():
+    """The Triton kernel (GPU, or the CPU interpreter) with the eps our norm passes it, against nn.RMSNorm with eps
+    unset on the same bf16 rows: within one bf16 rounding of each output (the interpreter truncates to bf16 where
+    a GPU rounds to nearest: two ulps there), at every scale down to 1e-4. bf16's own epsilon misses by far."""
+    from flux_train.kernels import RMSNorm
+
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    x = qk_rows(g)
+    ours = RMSNorm(128, impl="triton", device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ours.scale.copy_(1 + 0.1 * torch.randn(128, device=DEVICE, generator=g))
+        want = torch_reference_norm(128, ours.scale)(x).float()
+        got = ours(x).float()
+        ulps = 1 if DEVICE == "cuda" else 2
+        assert ((got - want).abs() <= ulps * 2**-7 * want.abs() + 1e-30).all()
+        ours.eps = 2**-7
+        assert ((ours(x).float() - want).abs() > 0.1 * want.abs()).any()
+
+
 @pytest.mark.parametrize("n", [1, 4097, 3_000_000 if DEVICE == "cuda" else 300_000])
 def test_triton_adamw_matches_torch_adamw_with_clipping(n):
     """Our one-pass AdamW (bf16 grads, fp32 master and moments, bf16 copy out, clip factor on the device) against

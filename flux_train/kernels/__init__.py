@@ -1,5 +1,5 @@
 """Custom kernels: RMSNorm (Triton forward/backward, torch fallback)."""
 
-from flux_train.kernels.rmsnorm import RMSNorm, rms_norm, rms_norm_torch
+from flux_train.kernels.rmsnorm import RMSNorm, default_eps, rms_norm, rms_norm_torch
 
-__all__ = ["RMSNorm", "rms_norm", "rms_norm_torch"]
+__all__ = ["RMSNorm", "default_eps", "rms_norm", "rms_norm_torch"]

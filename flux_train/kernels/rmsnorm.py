@@ -1,5 +1,7 @@
 """RMSNorm over the last dim with fp32 math and a learned scale: the Q/K norms of Flux (dim 128). Its eps is, as
-torch's `nn.RMSNorm` built without one (the reference's), the machine epsilon of the input's dtype: 2^-7 in bf16.
+torch's `nn.RMSNorm` built without one (the reference's), the machine epsilon of the op-math type: float32's 2^-23
+for bf16, fp16 and fp32 inputs, float64's for float64 (`default_eps`). Not the input dtype's: bf16's 2^-7 would be
+65,536 times larger and shrink small q/k rows.
 
 `rms_norm(x, weight, eps)` runs the Triton forward/backward kernels on a GPU when Triton is importable and
 `impl` allows it, otherwise the torch expression below (also the CPU path and the test reference).
@@ -17,10 +19,20 @@ if HAVE_TRITON:
     from torch.library import triton_op, wrap_triton
 
 
+def math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The op-math type torch computes a norm of `dtype` in: fp32 for bf16/fp16/fp32, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def default_eps(dtype: torch.dtype) -> float:
+    """torch's eps for an RMSNorm built without one: its op-math type's machine epsilon (2^-23 for bf16 inputs)."""
+    return torch.finfo(math_dtype(dtype)).eps
+
+
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    math_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16 inputs, float64 stays float64
-    xf = x.to(math_dtype)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(math_dtype)
+    compute = math_dtype(x.dtype)
+    xf = x.to(compute)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(compute)
     return y.to(x.dtype)
 
 
@@ -137,12 +149,12 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float | None = None, impl: str = "auto", device=None, dtype=None):
         super().__init__()
-        self.eps = eps  # None: the input dtype's machine epsilon
+        self.eps = eps  # None: torch's default, the op-math type's machine epsilon (default_eps)
         self.impl = impl
         self.scale = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        eps = default_eps(x.dtype) if self.eps is None else self.eps
         return rms_norm(x, self.scale, eps, self.impl)
 
     def extra_repr(self) -> str:

@@ -6,7 +6,8 @@ single-stream blocks with `linear1` (q, k, v and the MLP input in one GEMM) and 
 RoPE in fp32, the time/vector embedders and the final adaLN layer.
 
 Numerics as the reference computes them: RMSNorm and RoPE in (at least) fp32, the RMSNorm's eps the machine
-epsilon of its input's dtype (torch's default, which the reference's `nn.RMSNorm` takes), the sinusoidal timestep
+epsilon of its op-math type, float32's 2^-23 for bf16 q/k (torch's default, which the reference's `nn.RMSNorm`
+takes), the sinusoidal timestep
 embedding's argument `timesteps * 1000` formed in fp32 from the timesteps the model is given (the reference
 casts its inputs to its fp32 parameters' dtype first), no attention mask. The model is built on the meta
 device and materialised with the reference initialisation (`init_weights`): every Linear xavier-uniform
