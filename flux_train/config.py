@@ -134,13 +134,17 @@ class ParallelConfig:
     # a collective that has not completed after this long ends the run, naming the ranks that did not arrive;
     # it must cover the longest stretch one rank can spend away from the others (a checkpoint save, an eval)
     timeout_s: int = 300
+    # a rank whose run has ended but whose process has not exited after this long (a hung teardown: NCCL's
+    # communicator destruction, a stuck thread) is ended, naming the rank and where it waits (exit 6)
+    exit_timeout_s: int = 60
 
 
 @dataclass
 class PerfConfig:
     compile: Literal["none", "block"] = "none"
-    # the whole optimizer step (micro-batches, reduction, AdamW, all-gathers) as one CUDA graph (ddp only)
-    cuda_graphs: bool = False
+    # the whole optimizer step (micro-batches, reduction, AdamW, all-gathers) as one CUDA graph (ddp only);
+    # auto: on where it can capture (ddp on a GPU with a warm-up; `graphs_on`), off elsewhere
+    cuda_graphs: Literal["auto", True, False] = "auto"
     rmsnorm: Literal["auto", "triton", "torch"] = "auto"
     # auto: in bf16 the backend measured fastest here, checked against flash (flux_train/training/perf.py); in fp32 torch's
     attention: Literal["flash", "efficient", "cudnn", "math", "auto"] = "auto"
@@ -527,6 +531,7 @@ RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "parallel.dp_shard": AUTO_OR_POSITIVE,
     "parallel.dp_replicate": AUTO_OR_POSITIVE,
     "parallel.timeout_s": _within(10, 7 * 24 * 3600),  # seconds; a week is longer than any job
+    "parallel.exit_timeout_s": _within(1, 3600),
     "perf.warmup_iters": _at_least(0),
     "perf.fp8_amax_history": _within(1, 1024),  # steps
     "perf.fp8_margin": _within(0, 8),  # powers of two of headroom
@@ -593,16 +598,16 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     need(m.in_channels % 4 == 0, f"model.in_channels: must be 4 x latent channels (2x2 patches), got {m.in_channels}")
     p = cfg.parallel
     need(
-        not cfg.perf.cuda_graphs or p.strategy == "ddp",
+        cfg.perf.cuda_graphs is not True or p.strategy == "ddp",
         "perf.cuda_graphs: FSDP2 gathers weights into fresh buffers every step, which a CUDA graph cannot "
         "replay; set parallel.strategy=ddp (weights and gradient buffers stay in place)",
     )
     need(
-        not (cfg.perf.cuda_graphs and t.inject_nan_at_step),
+        not (cfg.perf.cuda_graphs is True and t.inject_nan_at_step),
         "train.inject_nan_at_step: a captured step replays without the hook; set perf.cuda_graphs=false to test it",
     )
     need(
-        not cfg.perf.cuda_graphs or cfg.perf.warmup_iters >= 1,
+        cfg.perf.cuda_graphs is not True or cfg.perf.warmup_iters >= 1,
         "perf.cuda_graphs: graphs are captured during the warm-up before run_start; set perf.warmup_iters >= 1",
     )
     need(
@@ -661,6 +666,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for assignment in overrides:
         tree = apply_override(tree, assignment)
     return validate(_build(Config, tree, ""))
+
+
+def graphs_on(cfg: Config, device_type: str) -> bool:
+    """Whether the step runs as a CUDA graph: perf.cuda_graphs=true, or auto where the step can be captured (the
+    ddp layout, whose buffers stay in place, on a GPU, with a warm-up to capture in, no NaN-injection hook)."""
+    if cfg.perf.cuda_graphs != "auto":
+        return cfg.perf.cuda_graphs
+    return (
+        cfg.parallel.strategy == "ddp"
+        and device_type == "cuda"
+        and cfg.perf.warmup_iters >= 1
+        and not cfg.train.inject_nan_at_step
+    )
 
 
 def accumulation_steps(cfg: Config, world_size: int) -> int:

@@ -4,6 +4,8 @@ wrote (metrics.jsonl rows and MLLOG events of an out_dir)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +29,31 @@ def train_command(out: Path, *args: str, config: str = "configs/debug.yaml", npr
 
 
 def train(out: Path, *args: str, config: str = "configs/debug.yaml", nproc: int = 1, timeout: float = 600):
-    """`train_command`, run to its end, its output captured."""
-    return subprocess.run(
-        train_command(out, *args, config=config, nproc=nproc), capture_output=True, text=True, timeout=timeout
+    """`train_command`, run to its end, its output captured. A run still going after `timeout` seconds fails the
+    test with its last lines and every process's Python stacks (each is sent SIGABRT, which faulthandler turns
+    into a dump of its threads), not with a bare timeout."""
+    proc = subprocess.Popen(
+        train_command(out, *args, config=config, nproc=nproc),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: the workers under torchrun too
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        raise AssertionError(
+            f"the run in {out} had not ended after {timeout:g} s; its last output, then the stacks:\n"
+            + "\n".join(stdout.splitlines()[-20:] + stderr.splitlines()[-150:])
+        ) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def metrics(out: Path) -> list[dict]:

@@ -4,6 +4,8 @@ kernels. The rows' measuring needs a GPU (tests/gpu_check.sh); this is the part 
 
 import json
 
+import torch
+
 from flux_train.tools import bench, bench_table
 
 STOCK = {
@@ -76,3 +78,34 @@ def test_profile_breakdown_sums_kinds_from_kernels_and_ranks_them():
         ["nvjet_tst_128x256", "gemm", 2.0, 1],
         ["triton_red_fused_abs_amax_0", "fp8 casts", 0.5, 2],  # ms and launches per step
     ]
+
+
+def test_a_failed_row_says_what_happened_in_one_line():
+    """A row's error names what stopped it -- out of memory with torch's sizes, an illegal memory access, a
+    compile failure, anything else by its type -- in one line (the messages as torch raises them, several lines
+    long; the rows themselves need a GPU)."""
+    oom = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 79.19 GiB of which 612.00 "
+        "MiB is free. Including non-PyTorch memory, this process has 78.58 GiB memory in use.\nOf the allocated "
+        "memory 75.10 GiB is allocated by PyTorch"
+    )
+    illegal = torch.AcceleratorError(
+        "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously reported"
+    )
+    from torch._inductor.exc import InductorError
+
+    compile_failed = InductorError(ValueError("bad\nconfig"), "line one\nline two")
+    lines = {
+        "oom": bench.row_error(oom),
+        "illegal": bench.row_error(illegal),
+        "compile": bench.row_error(compile_failed),
+        "other": bench.row_error(KeyError("fp8_scale")),
+    }
+    assert all("\n" not in line for line in lines.values())
+    assert lines["oom"].startswith("out of memory") and "Tried to allocate 1.50 GiB" in lines["oom"]
+    assert "612.00 MiB is free" in lines["oom"] and "allocated by PyTorch" not in lines["oom"]
+    assert lines["illegal"].startswith("illegal memory access")
+    assert lines["compile"].startswith("compile failed (InductorError)")
+    assert lines["other"] == "KeyError: 'fp8_scale'"
+    # an out of memory leaves the process able to measure the next row; a CUDA error does not
+    assert bench.usable_after(oom) and not bench.usable_after(illegal) and bench.usable_after(KeyError("x"))

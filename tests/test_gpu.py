@@ -2,9 +2,11 @@
 eager (model and trainer), the attention backend, FP8 on tensor cores against its CPU emulation. The Triton
 kernels' own tests (tests/test_kernels.py) run on a GPU or in Triton's CPU interpreter."""
 
+import time
+
 import pytest
 import torch
-from run_outputs import column, set_flags, train
+from run_outputs import column, events, set_flags, train
 
 from flux_train.config import ModelConfig
 from flux_train.model import flow
@@ -218,7 +220,8 @@ def test_fp8_delayed_blocks_compiled_and_graphed_match_eager():
 def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
     """perf.cuda_graphs (ddp layout, compiled blocks, accumulation 3, the whole step in one graph: on 2 GPUs with
     the reduce-scatters, the norm's all-reduce and the all-gathers inside) trains like the eager step: losses
-    and grad norms over 6 steps, the learning rate changing every step (warm-up)."""
+    and grad norms over 6 steps, the learning rate changing every step (warm-up). And it ends: within 30 s of its
+    last step and of run_stop (a graphed run at two ranks once trained right and then never exited)."""
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
     runs = {}
@@ -242,9 +245,13 @@ def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
             "logging.log_every": 1,
             "logging.progress_bar": "false",
         }
-        proc = train(out, *set_flags(sets), nproc=nproc, timeout=900)
+        proc = train(out, *set_flags(sets), nproc=nproc, timeout=240)
+        ended = time.time()
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[graphs] = (column(out, "loss"), column(out, "grad_norm"))
+        run_stop = next(e for e in events(out) if e["key"] == "run_stop")
+        assert ended - run_stop["time_ms"] / 1000 < 30, graphs
+        assert ended - (out / "metrics.jsonl").stat().st_mtime < 30, graphs
     assert len(runs[True][0]) == 6
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-2)
     assert runs[True][1] == pytest.approx(runs[False][1], rel=2e-2)

@@ -440,3 +440,27 @@ def test_a_checkpoint_past_a_lowered_step_cap_is_refused_before_init_start(runs,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"is at step {at}, past train.max_steps {at - 1}" in err, err
     assert snapshot(out) == before  # mllog.log included: no init_start was written
+
+
+def test_a_run_whose_teardown_hangs_is_ended_naming_the_rank_and_where_it_waits(tmp_path):
+    """A graphed run at two GPUs once finished its steps and then never exited: destroying the NCCL communicator
+    waited on a captured graph. Whatever hangs there, the product ends the process within
+    parallel.exit_timeout_s. The hang is planted where that one was, in the process group's teardown (shutdown
+    replaced by a long sleep in the child: a CPU host has no NCCL to hang)."""
+    script = (
+        "import sys, time\n"
+        "from flux_train.training import train\n"
+        "train.shutdown = lambda: time.sleep(300)\n"
+        "sys.exit(train.main(sys.argv[1:]))\n"
+    )
+    out = tmp_path / "run"
+    args = train_command(out, *flags(train__max_steps=2, parallel__exit_timeout_s=2))[3:]  # past -m ...train
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 6, proc.stderr[-2000:]
+    assert "finished at step 2, status aborted" in proc.stdout
+    line = next(ln for ln in proc.stderr.splitlines() if ln.startswith("flux-train: rank 0"))
+    assert "the run ended (status aborted) but the process had not exited 2 s later" in line
+    assert "it waits in <lambda>" in line and "called from main" in line and "exit 6" in line
+    assert "Thread" in proc.stderr  # every thread's stack follows
+    assert time.time() - t0 < 120

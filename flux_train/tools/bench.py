@@ -26,16 +26,16 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from flux_train.config import Config, load_config
+from flux_train.config import Config, graphs_on, load_config
 from flux_train.data.sources import synthetic_samples
 from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
 from flux_train.kernels.fp8 import FP8Scaling
@@ -43,13 +43,7 @@ from flux_train.model import flow
 from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.model.flux import build_model, flops_per_sample, init_weights, is_token_linear
 from flux_train.tools.bench_table import kernel_breakdown, precision_of, print_table, read_rows
-from flux_train.training.perf import (
-    CudaGraph,
-    apply_fp8,
-    compile_blocks,
-    select_attention_backend,
-    torch_default_attention,
-)
+from flux_train.training.perf import CudaGraph, prepare_model, select_attention_backend, torch_default_attention
 
 FWDBWD_ROWS = (
     "stock-eager",
@@ -156,7 +150,8 @@ def stock_flux(cfg: Config, device: str):
 
 
 def fwdbwd_model(cfg: Config, row: str):
-    """(forward(kw) -> output, module, use CUDA graphs, FP8 delayed scaling or None) for a fwdbwd row."""
+    """(forward(kw) -> output, module, use CUDA graphs, FP8 delayed scaling or None) for a fwdbwd row: ours as the
+    trainer assembles it (perf.prepare_model), graphed where the trainer's step would be (config.graphs_on)."""
     if row.startswith("stock"):
         model = stock_flux(cfg, "cuda").to(torch.bfloat16)
         if row == "stock":
@@ -168,7 +163,7 @@ def fwdbwd_model(cfg: Config, row: str):
         perf = replace(perf, fp8=recipe, fp8_impl=impl)
     perf = replace(
         perf,
-        cuda_graphs=perf.cuda_graphs and row != "ours-no-graphs",
+        cuda_graphs=graphs_on(cfg, "cuda") and row != "ours-no-graphs",
         compile="none" if row == "ours-no-compile" else perf.compile,
         rmsnorm="torch" if row == "ours-torch-rmsnorm" else perf.rmsnorm,
     )
@@ -179,9 +174,8 @@ def fwdbwd_model(cfg: Config, row: str):
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     model.to(torch.bfloat16)
-    apply_fp8(model, perf.fp8, perf.fp8_impl, torch.device("cuda"), perf.fp8_amax_history)
+    prepare_model(model, perf, cfg.parallel.activation_checkpointing, torch.device("cuda"))
     scaling = FP8Scaling.of(model, torch.device("cuda"), perf.fp8_margin)
-    compile_blocks(model, perf.compile)
     return lambda kw: model(**kw), model, perf.cuda_graphs, scaling
 
 
@@ -205,12 +199,13 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
             scaling.update()
         return loss.detach()
 
+    def release():  # the warm-up's gradients: the capture allocates its own
+        for p in params:
+            p.grad = None
+
     torch.cuda.reset_peak_memory_stats()
-    try:
-        run = CudaGraph(step, warmup=2) if graphs else step
-        seconds, warm = timed(run, args.steps)
-    except torch.OutOfMemoryError:
-        return {"mode": "fwdbwd", "row": row, "batch": args.batch, "error": "out of memory"}
+    run = CudaGraph(step, warmup=2, release=release) if graphs else step
+    seconds, warm = timed(run, args.steps)
     result = {
         "mode": "fwdbwd",
         "row": row,
@@ -221,9 +216,12 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
         "samples_s_per_gpu": round(args.batch / seconds, 2),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
         "warm_s": round(warm, 1),
+        "graphs": graphs,
     }
     if args.profile:
         result["profile"], result["top_kernels"] = profile_breakdown(run)
+    if graphs:
+        run.close()
     return result
 
 
@@ -310,25 +308,24 @@ def run_step(cfg: Config, args, row: str) -> dict:
     world = dist.get_world_size()
     mb = cfg.train.micro_batch_size
     base = {"mode": "step", "row": row, "world": world, "batch": mb, "accum": args.accum}
-    try:
-        base["attention"] = row_attention(cfg, row)  # the trainer selects perf.attention again, the same way
-        if row == "stock":
-            seconds, warm, profile = stock_fsdp_step(cfg, args)
-            base |= {"precision": "bf16", "label": "stock diffusers + FSDP2 (per-block compile, fused AdamW)"}
-        else:
-            seconds, warm, profile, eval_rate = trainer_step(cfg, args)
-            base |= {
-                "precision": precision_of("ours", cfg),
-                "strategy": cfg.parallel.strategy,
-                "eval_samples_s_per_gpu": eval_rate,
-                "label": (
-                    f"ours {cfg.parallel.strategy}"
-                    + (" + graphs" if cfg.perf.cuda_graphs else "")
-                    + (f", accumulation {args.accum}" if args.accum > 1 else "")
-                ),
-            }
-    except torch.OutOfMemoryError:
-        return base | {"error": "out of memory"}
+    base["attention"] = row_attention(cfg, row)  # the trainer selects perf.attention again, the same way
+    if row == "stock":
+        seconds, warm, profile = stock_fsdp_step(cfg, args)
+        base |= {"precision": "bf16", "label": "stock diffusers + FSDP2 (per-block compile, fused AdamW)"}
+    else:
+        seconds, warm, profile, eval_rate = trainer_step(cfg, args)
+        graphs = graphs_on(cfg, "cuda")
+        base |= {
+            "precision": precision_of("ours", cfg),
+            "strategy": cfg.parallel.strategy,
+            "graphs": graphs,
+            "eval_samples_s_per_gpu": eval_rate,
+            "label": (
+                f"ours {cfg.parallel.strategy}"
+                + (" + graphs" if graphs else "")
+                + (f", accumulation {args.accum}" if args.accum > 1 else "")
+            ),
+        }
     base |= {
         "ms": round(seconds * 1000, 1),
         "samples_s_per_gpu": round(mb * args.accum / seconds, 2),
@@ -374,6 +371,7 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, float]:
     eval_rate = count / (time.perf_counter() - e0) / dist.get_world_size()
     if args.checkpoint:
         print("CHECKPOINT " + json.dumps(checkpoint_timings(trainer, args, seconds)), flush=True)
+    trainer.close()  # its graph before the process group (Trainer.close)
     return seconds, warm, profile, round(eval_rate, 1)
 
 
@@ -517,6 +515,12 @@ def main(argv=None) -> int:
         help="step mode: also time a checkpoint save (blocking and async) and load of the trainer's state "
         "in DIR (removed after)",
     )
+    p.add_argument(
+        "--same-process",
+        action="store_true",
+        help="fwdbwd/casts: measure every row in this process, each after the other's memory and compile state "
+        "(by default each row runs in a process of its own, so that one that crashes leaves the others)",
+    )
     p.add_argument("--json", default=None, help="append each row as a JSON line to this file")
     p.add_argument("--table", default=None, metavar="FILE", help="print the table of the rows in FILE and exit")
     p.add_argument("--out-dir", default="runs/bench", help="the trainer's run folder in step mode")
@@ -532,31 +536,52 @@ def main(argv=None) -> int:
         raise UserError(f"--rows: unknown row '{unknown[0]}' for --mode {args.mode}; choose from {', '.join(known)}")
     if not torch.cuda.is_available():
         raise UserError("python -m flux_train.bench measures GPUs and none is visible here (--table FILE needs none)")
+    if args.mode != "step" and len(rows) > 1 and not args.same_process:  # one GPU: each row in a process of its own
+        return run_rows_apart(rows, sys.argv[1:] if argv is None else list(argv))
+    return measure(cfg, args, rows)
+
+
+def run_rows_apart(rows: list[str], argv: list[str]) -> int:
+    """Each row in its own process, one after another: a row gets the whole GPU (no memory or compile state of
+    the rows before it), and a row whose process dies -- an illegal memory access leaves the CUDA context
+    unusable, a crash takes the process -- leaves the others to measure."""
+    failed = []
+    for row in rows:
+        proc = subprocess.run([sys.executable, "-m", "flux_train.bench", *argv, "--rows", row])
+        if proc.returncode < 0:  # killed: it could not say why itself
+            print(f"ROW FAILED {row}: its process died of signal {-proc.returncode}", flush=True)
+        if proc.returncode:
+            failed.append(row)
+    if failed:
+        print(f"bench: {len(failed)} of {len(rows)} rows failed ({', '.join(failed)}); the others are measured")
+    return 1 if failed else 0
+
+
+def measure(cfg: Config, args, rows: list[str]) -> int:
+    """The rows in this process (every rank of a step row under torchrun)."""
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.mode == "step" and not dist.is_initialized():
         dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # each rank measures its own GPU
     ceiling = matmul_ceiling()
+    device = torch.cuda.get_device_name()  # asked now: after an illegal memory access no CUDA call answers
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     flops = flops_per_sample(cfg.model, args.text_len, (args.latent // 2) ** 2)
     failed = []
     for row in rows:
+        error = None
         try:
             result = {"fwdbwd": run_fwdbwd, "step": run_step, "casts": run_casts}[args.mode](
                 load_config(args.config, args.overrides), args, row
             )
-        except Exception:
-            if args.mode == "step":  # the other ranks would wait in a collective: end them all
-                raise
-            # one GPU: every row builds its own model, so one that fails leaves the others to measure
-            traceback.print_exc()
-            print(f"ROW FAILED {row} (traceback above)", flush=True)
+        except Exception as exc:  # noqa: BLE001 - every failure of a row becomes its one line
+            error = exc
+            result = {"mode": args.mode, "row": row, "batch": args.batch, "error": row_error(exc)}
+            print(f"ROW FAILED {row}: {result['error']}", flush=True)
             failed.append(row)
-            free_memory()
-            continue
         result |= {
             "blocks": [cfg.model.num_layers, cfg.model.num_single_layers],  # the depth, for the planner
-            "device": torch.cuda.get_device_name(),
+            "device": device,
             "ceiling_tflops": round(ceiling, 1),
             "flops_per_sample": flops,
         }
@@ -565,10 +590,37 @@ def main(argv=None) -> int:
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(result) + "\n")
+        if error is not None and (args.mode == "step" or not usable_after(error)):
+            # the other ranks wait in a collective (torchrun ends them), or this process's CUDA context is lost
+            os._exit(1)
         free_memory()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 1 if failed else 0
+
+
+def row_error(exc: BaseException) -> str:
+    """What stopped a row, in one line: out of memory with the sizes, an illegal memory access, a compile
+    failure, or the exception's type and first words."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower():
+        sizes = ". ".join(text.split(". ")[:3])  # torch's: what it tried to allocate, the total, what was free
+        peak = (
+            f" (torch's peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)" if torch.cuda.is_available() else ""
+        )
+        return f"out of memory{peak}: {sizes[:300]}"
+    if "illegal memory access" in text or "illegal address" in text:
+        return f"illegal memory access: a kernel touched memory outside its tensors ({text[:200]})"
+    if type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
+        return f"compile failed ({type(exc).__name__}): {text[:240]}"
+    return f"{type(exc).__name__}: {text[:240]}"
+
+
+def usable_after(exc: BaseException) -> bool:
+    """Whether this process can measure another row: not after a CUDA error other than out of memory (the
+    context is lost: every later call fails the same way)."""
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or not ("CUDA error" in text or "CUDA driver error" in text)
 
 
 if __name__ == "__main__":

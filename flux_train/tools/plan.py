@@ -438,7 +438,7 @@ def what_fits(cfg: Config, figs: Figures) -> str | None:
                 changes = [f"train.micro_batch_size={mb}"] if mb != cfg.train.micro_batch_size else []
                 if strategy != cfg.parallel.strategy:
                     changes.insert(0, f"parallel.strategy={strategy}")
-                    changes += ["perf.cuda_graphs=false"] if cfg.perf.cuda_graphs and strategy == "fsdp" else []
+                    changes += ["perf.cuda_graphs=false"] if cfg.perf.cuda_graphs is True and strategy == "fsdp" else []
                 return f"{' '.join(changes)} ({found['peak_gib']:.1f} GiB)"
     return None
 

@@ -5,18 +5,25 @@ A background thread rewrites `<out_dir>/heartbeats/rank_00003` ("<step> <phase> 
 seconds with what the loop last reported (`beat`, no I/O on the training thread). A rank that is stopped, hung
 or dead stops refreshing its file; a rank that is alive but held up elsewhere keeps refreshing it with an older
 step or phase. The run folder is shared by all nodes.
+
+The heartbeat ends with the loop; what follows it (tearing down the process group, the checkpoint writer, the
+loader's workers) is watched by an `ExitDeadline`: a rank still there after `parallel.exit_timeout_s` says
+where it waits and ends (exit 6), so a job whose training is done does not hold its nodes until the time limit.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 INTERVAL_S = 2.0
+EXIT_HUNG = 6  # the run ended, but its process did not (a hung teardown)
 
 
 def node_name() -> str:
@@ -94,3 +101,52 @@ def stragglers(folder: Path, world: int, interval_s: float = INTERVAL_S) -> str:
     ]
     parts += [f"rank {r} never reported" for r in sorted(set(range(world)) - set(beats))]
     return "; ".join(parts) if parts else "every rank is alive at the same step: the collective itself stalled"
+
+
+class ExitDeadline:
+    """Armed when a rank's run has ended, cancelled when its teardown is done: if that takes `seconds`, one line names the rank and
+    the frame its main thread waits in, every thread's stack follows on stderr, and the process ends with
+    EXIT_HUNG. The timer thread needs the GIL; a wait in C code that holds it is ended by faulthandler's own
+    (GIL-free) timer 30 s later, with the stacks and exit code 1."""
+
+    BACKSTOP_S = 30
+
+    def __init__(self, seconds: float, rank: int, ended: str):
+        self.seconds, self.rank, self.ended = seconds, rank, ended
+        self.main = threading.get_ident()
+        self.timer = threading.Timer(seconds, self._expire)
+        self.timer.daemon = True
+        self.timer.name = "flux-exit-deadline"
+        self.timer.start()
+        # faulthandler writes to a file descriptor: the process's own stderr, also where sys.stderr is replaced
+        faulthandler.dump_traceback_later(seconds + self.BACKSTOP_S, exit=True, file=sys.__stderr__)
+
+    def _expire(self) -> None:
+        frame = sys._current_frames().get(self.main)
+        print(
+            f"flux-train: rank {self.rank} on {node_name()}: the run ended ({self.ended}) but the process had not "
+            f"exited {self.seconds:g} s later; it waits in {where(frame)}; ending it (exit {EXIT_HUNG}; stacks "
+            "follow; parallel.exit_timeout_s sets the wait)",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+        os._exit(EXIT_HUNG)
+
+    def cancel(self) -> None:
+        """The teardown finished in time."""
+        self.timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+
+
+def where(frame) -> str:
+    """The innermost frame, and the innermost of flux-train's own if that is another: `fn (file:line)`."""
+    if frame is None:
+        return "an unknown place (the main thread has ended)"
+    inner = f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+    ours = frame
+    while ours is not None and f"{os.sep}flux_train{os.sep}" not in ours.f_code.co_filename:
+        ours = ours.f_back
+    if ours is None or ours is frame:
+        return inner
+    return f"{inner}, called from {ours.f_code.co_name} ({ours.f_code.co_filename}:{ours.f_lineno})"

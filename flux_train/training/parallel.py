@@ -177,16 +177,6 @@ class FSDPTraining:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def checkpoint_blocks(model: nn.Module) -> nn.Module:
-    """Activation checkpointing per block (before compile and sharding): backward recomputes each block."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    for stack in block_stacks(model):
-        for i, block in enumerate(stack):
-            stack[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-    return model
-
-
 def build_training(
     model: nn.Module,
     mesh: DeviceMesh,

@@ -9,6 +9,7 @@
   per block stack measured 1.02x of this on one H200, and cannot hold those per-block hooks).
 - `perf.fp8`: the blocks' token GEMMs (model.is_token_linear) in FP8, with our kernels (flux_train.kernels.fp8)
   or torchao's Float8Linear (`perf.fp8_impl=torchao`).
+- `prepare_model`: the order the three apply in (FP8, activation checkpointing, compile), for every caller.
 - `CudaGraph`: a callable captured once and replayed; `GraphedStep`: the trainer's whole optimizer step as one
   (parallel.strategy=ddp, whose weights, gradient buffers and optimizer state never move), fed from static buffers.
 """
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from flux_train.config import PerfConfig
 from flux_train.data.sources import DataError
 from flux_train.kernels.fp8 import convert_to_fp8, device_e4m3
 from flux_train.model.flux import block_stacks, is_token_linear
@@ -121,6 +123,28 @@ def apply_fp8(model: nn.Module, recipe: str, impl: str, device: torch.device, hi
     return convert_to_fp8(model, recipe, device_e4m3(device), is_token_linear, history)
 
 
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Activation checkpointing per block (before compile and sharding): backward recomputes each block."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for stack in block_stacks(model):
+        for i, block in enumerate(stack):
+            stack[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    return model
+
+
+def prepare_model(
+    model: nn.Module, perf: PerfConfig, activation_checkpointing: bool, device: torch.device
+) -> nn.Module:
+    """The one assembly of the model's speed features, in the order they compose: FP8 Linears (which compile then
+    traces), activation checkpointing around each block, each block its own compile region. Before the layout
+    shards or gathers it; the trainer and the bench's rows both take it from here."""
+    apply_fp8(model, perf.fp8, perf.fp8_impl, device, perf.fp8_amax_history)
+    if activation_checkpointing:
+        checkpoint_blocks(model)
+    return compile_blocks(model, perf.compile)
+
+
 def compile_blocks(model: nn.Module, mode: str) -> nn.Module:
     """Regional compile: every block its own region (`block`), or nothing (`none`)."""
     if mode == "block":
@@ -133,18 +157,27 @@ def compile_blocks(model: nn.Module, mode: str) -> nn.Module:
 class CudaGraph:
     """`fn()` captured once -- after `warmup` eager runs on a side stream (compile, autotune, workspaces) -- and
     replayed by each call. `fn` reads its inputs from tensors the caller updates in place; the warm-up runs
-    really execute, so capture only where their side effects do not count (before run_start, lr 0)."""
+    really execute, so capture only where their side effects do not count (before run_start, lr 0).
 
-    def __init__(self, fn: Callable[[], Any], warmup: int = 1):
+    `release()`, if given, drops what the warm-up runs left alive that the capture allocates again (e.g.
+    parameters' .grad): the capture takes its memory from the graph's own pool, so a tensor held from the eager
+    runs would be held twice (measured on an H100: full flux-schnell FP8 at batch 8 ran out of memory graphed,
+    53 GiB eager). `close()` destroys the graph: NCCL counts every graph that captured one of its collectives and
+    waits for them all to go before a communicator can be destroyed (a run whose graph outlives its process
+    group never exits)."""
+
+    def __init__(self, fn: Callable[[], Any], warmup: int = 1, release: Callable[[], None] | None = None):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(warmup):
                 fn()
+            if release is not None:
+                release()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the eager runs' cached blocks back, so the graph's own pool can have them
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog and loader threads keep polling CUDA while this thread captures
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.output = fn()
@@ -152,6 +185,12 @@ class CudaGraph:
     def __call__(self) -> Any:
         self.graph.replay()
         return self.output
+
+    def close(self) -> None:
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph.reset()
+            self.graph, self.output = None, None
 
 
 class GraphedStep:
@@ -183,3 +222,9 @@ class GraphedStep:
                 static_target.copy_(target)
         loss_sum, grad_norm = self.graph()
         return loss_sum.clone(), grad_norm.clone()
+
+    def close(self) -> None:
+        """Destroy the graph and its static buffers (before the process group: CudaGraph.close)."""
+        if self.graph is not None:
+            self.graph.close()
+        self.graph, self.static = None, []

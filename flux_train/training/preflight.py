@@ -124,7 +124,7 @@ def check_inputs(cfg: Config, device: torch.device, world_size: int) -> None:
                 f"perf.attention={cfg.perf.attention} needs train.compute_dtype=bfloat16 (it has no fp32 "
                 "kernel); set perf.attention=auto for fp32 runs"
             )
-    if cfg.perf.cuda_graphs and device.type != "cuda":
+    if cfg.perf.cuda_graphs is True and device.type != "cuda":
         raise ConfigError("perf.cuda_graphs needs a GPU; set perf.cuda_graphs=false on the CPU")
     if device.type == "cpu":
         need = count_params(build_model(cfg.model)) * 16 * world_size  # weights, grads, AdamW, fp32

@@ -20,7 +20,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from flux_train.config import Config, ConfigError, accumulation_steps, eval_interval_steps, load_config, validate
+from flux_train.config import (
+    Config,
+    ConfigError,
+    accumulation_steps,
+    eval_interval_steps,
+    graphs_on,
+    load_config,
+    validate,
+)
 from flux_train.data.sources import build_data, synthetic_samples
 from flux_train.errors import Parser, StorageError, reports_user_errors
 from flux_train.kernels.fp8 import FP8Scaling
@@ -30,18 +38,17 @@ from flux_train.model.flux import build_model, check_weights, count_params, flop
 from flux_train.outputs.mllog import C, MLLogger
 from flux_train.training import checkpoint, preemption, preflight, run_folder
 from flux_train.training.evaluate import Evaluator
-from flux_train.training.heartbeat import Heartbeat
+from flux_train.training.heartbeat import ExitDeadline, Heartbeat
 from flux_train.training.metrics import LogWindow, Metrics
 from flux_train.training.optim import lr_at
 from flux_train.training.parallel import (
     build_training,
-    checkpoint_blocks,
     collective_failure_line,
     init_distributed,
     out_of_memory_line,
     shutdown,
 )
-from flux_train.training.perf import GraphedStep, apply_fp8, compile_blocks, select_attention_backend
+from flux_train.training.perf import GraphedStep, prepare_model, select_attention_backend
 from flux_train.training.train_state import TrainState
 
 # blocks return slices of their joint sequence; we never modify them in place, which this FSDP2 warning is about
@@ -113,15 +120,12 @@ class Trainer:
         model = build_model(cfg.model, cfg.perf.rmsnorm)
         self.n_params = count_params(model)
         initial = self._initial_weights(model)
-        apply_fp8(model, cfg.perf.fp8, cfg.perf.fp8_impl, self.device, cfg.perf.fp8_amax_history)
-        if cfg.parallel.activation_checkpointing:
-            checkpoint_blocks(model)
-        compile_blocks(model, cfg.perf.compile)
+        prepare_model(model, cfg.perf, cfg.parallel.activation_checkpointing, self.device)
         self.training = build_training(model, self.dist.mesh, cfg.parallel, cfg.train, self.dtype, self.device)
         self.model = self.training.model
         self.training.assign_weights(initial)
         self.fp8 = FP8Scaling.of(self.model, self.device, cfg.perf.fp8_margin)  # perf.fp8=delayed: its scales
-        self.graphed = GraphedStep(self._device_step) if cfg.perf.cuda_graphs else None
+        self.graphed = GraphedStep(self._device_step) if graphs_on(cfg, self.device.type) else None
         self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
         self.empty = (self.data.empty_t5.to(self.device), self.data.empty_clip.to(self.device))
         self.evaluator = Evaluator(cfg, self)
@@ -157,6 +161,12 @@ class Trainer:
         path = self.checkpointer.save(self.state, self.training, self.data.train.state_dict())
         self._say(f"{'saving' if self.checkpointer.async_save else 'saved'} checkpoint {path}")
         return path
+
+    def close(self) -> None:
+        """Release the captured step graph before the process group goes down: NCCL destroys no communicator
+        while a graph that captured its collectives is alive, so a graphed run at two ranks never exited."""
+        if self.graphed is not None:
+            self.graphed.close()
 
     # ------------------------------------------------------------------ one optimizer step
 
@@ -358,7 +368,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 @reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg = trainer = None
+    cfg = trainer = status = None
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
@@ -376,9 +386,17 @@ def main(argv=None) -> int:
         print(oom or stalled, file=sys.stderr, flush=True)
         return EXIT_OUT_OF_MEMORY if oom else EXIT_COLLECTIVE
     finally:
+        # from here the heartbeat no longer speaks for this rank: the deadline does, if the teardown hangs
+        deadline = None
+        if cfg is not None and dist.is_initialized():
+            ended = f"status {status.value}" if status is not None else "stopped by an error"
+            deadline = ExitDeadline(cfg.parallel.exit_timeout_s, dist.get_rank(), ended)
         if trainer is not None:
             trainer.heartbeat.stop()
+            trainer.close()
         shutdown()
+        if deadline is not None:
+            deadline.cancel()
     return {Status.PREEMPTED: preemption.EXIT_CODE, Status.DIVERGED: EXIT_DIVERGED}.get(status, 0)
 
 
