@@ -143,7 +143,7 @@ class ParallelConfig:
 class PerfConfig:
     compile: Literal["none", "block"] = "none"
     # the whole optimizer step (micro-batches, reduction, AdamW, all-gathers) as one CUDA graph (ddp only);
-    # auto: on where it can capture (ddp on a GPU with a warm-up; `graphs_on`), off elsewhere
+    # auto: on where it can capture and pays (ddp on a GPU with FP8; `graphs_on`), off elsewhere
     cuda_graphs: Literal["auto", True, False] = "auto"
     rmsnorm: Literal["auto", "triton", "torch"] = "auto"
     # auto: in bf16 the backend measured fastest here, checked against flash (flux_train/training/perf.py); in fp32 torch's
@@ -670,12 +670,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def graphs_on(cfg: Config, device_type: str) -> bool:
     """Whether the step runs as a CUDA graph: perf.cuda_graphs=true, or auto where the step can be captured (the
-    ddp layout, whose buffers stay in place, on a GPU, with a warm-up to capture in, no NaN-injection hook)."""
+    ddp layout, whose buffers stay in place, on a GPU, with a warm-up to capture in, no NaN-injection hook) and
+    where it was measured to pay: with FP8, whose casts make the step wait on the host (6 + 12 blocks, micro-batch
+    8: the step 1.45x at one rank, 1.17x at two), not in bf16 (0.97x and 0.99x there; docs/performance.md)."""
     if cfg.perf.cuda_graphs != "auto":
         return cfg.perf.cuda_graphs
     return (
         cfg.parallel.strategy == "ddp"
         and device_type == "cuda"
+        and cfg.perf.fp8 != "none"
         and cfg.perf.warmup_iters >= 1
         and not cfg.train.inject_nan_at_step
     )

@@ -95,7 +95,9 @@ def test_a_failed_row_says_what_happened_in_one_line():
     from torch._inductor.exc import InductorError
 
     compile_failed = InductorError(ValueError("bad\nconfig"), "line one\nline two")
+    cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
     lines = {
+        "cublas": bench.row_error(cublas),
         "oom": bench.row_error(oom),
         "illegal": bench.row_error(illegal),
         "compile": bench.row_error(compile_failed),
@@ -105,6 +107,7 @@ def test_a_failed_row_says_what_happened_in_one_line():
     assert lines["oom"].startswith("out of memory") and "Tried to allocate 1.50 GiB" in lines["oom"]
     assert "612.00 MiB is free" in lines["oom"] and "allocated by PyTorch" not in lines["oom"]
     assert lines["illegal"].startswith("illegal memory access")
+    assert lines["cublas"].startswith("out of memory") and bench.usable_after(cublas)  # cuBLAS's workspace
     assert lines["compile"].startswith("compile failed (InductorError)")
     assert lines["other"] == "KeyError: 'fp8_scale'"
     # an out of memory leaves the process able to measure the next row; a CUDA error does not

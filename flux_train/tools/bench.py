@@ -603,7 +603,7 @@ def row_error(exc: BaseException) -> str:
     """What stopped a row, in one line: out of memory with the sizes, an illegal memory access, a compile
     failure, or the exception's type and first words."""
     text = " ".join(str(exc).split())
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower():
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower() or "ALLOC_FAILED" in text:
         sizes = ". ".join(text.split(". ")[:3])  # torch's: what it tried to allocate, the total, what was free
         peak = (
             f" (torch's peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)" if torch.cuda.is_available() else ""
@@ -620,7 +620,9 @@ def usable_after(exc: BaseException) -> bool:
     """Whether this process can measure another row: not after a CUDA error other than out of memory (the
     context is lost: every later call fails the same way)."""
     text = str(exc)
-    return isinstance(exc, torch.OutOfMemoryError) or not ("CUDA error" in text or "CUDA driver error" in text)
+    if isinstance(exc, torch.OutOfMemoryError) or "ALLOC_FAILED" in text:  # a library's workspace: memory too
+        return True
+    return not ("CUDA error" in text or "CUDA driver error" in text)
 
 
 if __name__ == "__main__":

@@ -79,9 +79,9 @@ class Figures:
         self.known = self.kind in table
         self.figures = table.get(self.kind, {}).get("figures", {})
         self.stated = {k: v for k, v in (stated or {}).items() if v is not None}
-        self.row_sets = [  # this kind's rows, then the other kinds'
+        self.row_sets = [  # this kind's rows, then the other kinds'; stock steps are the table's baselines only
             [(r, f"{FIGURES_FILE.name} {k}, {r['date']}") for k, v in table.items() if (k == self.kind) == mine
-             for r in v.get("rows", [])]
+             for r in v.get("rows", []) if not (r["mode"] == "step" and r["row"] == "stock")]
             for mine in (True, False)
         ]  # fmt: skip
         if measured:
@@ -131,10 +131,14 @@ class Figures:
 
 
 def step_setup(row: dict) -> tuple | None:
-    """What a step row measured, as one key: depth, GPUs, micro-batch, accumulation, layout, precision."""
+    """What a step row measured, as one key: depth, GPUs, micro-batch, accumulation, layout, precision, graphs
+    (None: not recorded)."""
     if row["mode"] != "step":
         return None
-    return tuple(row["blocks"]), row["world"], row["batch"], row["accum"], row["strategy"], row["precision"]
+    return (
+        tuple(row["blocks"]), row["world"], row["batch"], row["accum"], row["strategy"], row["precision"],
+        row.get("graphs"),
+    )  # fmt: skip
 
 
 def row_config(cfg: Config, row: dict) -> Config:
@@ -390,8 +394,17 @@ def time_to_train(cfg: Config, figs: Figures, notes: Notes, rcp: dict, step: flo
     precision = precision_of("ours", cfg)
     rows, where = figs.rows("step", lambda r: r["precision"] == precision and "eval_samples_s_per_gpu" in r)
     same = [r for r in rows if r["strategy"] == cfg.parallel.strategy] or rows
-    mean = statistics.fmean(r["eval_samples_s_per_gpu"] for r in same) if same else None
-    rate = (mean, f"{mean:.1f} samples/s/GPU, {len(same)} {precision} step row(s) ({where})") if same else None
+    # an eval is one forward per sample: a row of another depth carries over at its FLOP rate
+    flops = flops_per_sample(cfg.model, TOKENS, TOKENS)
+    scaled = [
+        r["eval_samples_s_per_gpu"] * flops_per_sample(row_config(cfg, r).model, TOKENS, TOKENS) / flops for r in same
+    ]
+    mean = statistics.fmean(scaled) if same else None
+    rate = (
+        (mean, f"{mean:.1f} samples/s/GPU, {len(same)} {precision} step row(s) at their FLOP rate ({where})")
+        if same
+        else None
+    )
     rate = notes.use("eval", rate, f"no eval rate for {figs.kind}")
     eval_s = EVAL_SAMPLES / (rate * world) if rate else 0.0
     stall = ckpt.get("stall_s", 0.0)
@@ -512,7 +525,7 @@ def check(cfg: Config, figs: Figures) -> list[dict]:
                 "gpus": same[0]["world"],
                 "micro_batch": same[0]["batch"],
                 "accumulation": same[0]["accum"],
-                "layout": p["layout"],
+                "layout": p["layout"] + {True: ", graphs", False: ", eager"}.get(same[0].get("graphs"), ""),
                 "rows": len(same),
                 "measured_samples_s_per_gpu": statistics.fmean(r["samples_s_per_gpu"] for r in same),
                 "projected_samples_s_per_gpu": p["samples_s_per_gpu"],
@@ -528,13 +541,13 @@ def print_check(results: list[dict]) -> None:
     def err(projected, measured):
         return f"{100 * (projected / measured - 1):+.1f} %" if projected and measured else "-"
 
-    print(f"{'blocks':>7s} {'GPUs':>4s} {'micro x acc':>11s} {'layout':18s} {'samples/s/GPU':>24s} {'peak GiB':>24s}")
-    print(f"{'':7s} {'':4s} {'':11s} {'':18s} {'measured projected err':>24s} {'measured projected err':>24s}")
+    print(f"{'blocks':>7s} {'GPUs':>4s} {'micro x acc':>11s} {'layout':25s} {'samples/s/GPU':>24s} {'peak GiB':>24s}")
+    print(f"{'':7s} {'':4s} {'':11s} {'':25s} {'measured projected err':>24s} {'measured projected err':>24s}")
     for r in results:
         measured_peak = f"{r['measured_peak_gib']:.1f}" if r["measured_peak_gib"] else "-"
         print(
             f"{'+'.join(map(str, r['blocks'])):>7s} {r['gpus']:4d} {r['micro_batch']:>6d} x {r['accumulation']:<2d} "
-            f"{r['layout']:18s} {r['measured_samples_s_per_gpu']:8.2f} {r['projected_samples_s_per_gpu'] or 0:9.2f} "
+            f"{r['layout']:25s} {r['measured_samples_s_per_gpu']:8.2f} {r['projected_samples_s_per_gpu'] or 0:9.2f} "
             f"{err(r['projected_samples_s_per_gpu'], r['measured_samples_s_per_gpu']):>7s} {measured_peak:>8s} "
             f"{r['projected_peak_gib']:9.1f} {err(r['projected_peak_gib'], r['measured_peak_gib']):>7s}"
         )

@@ -207,10 +207,12 @@ def shutdown() -> None:
 
 
 def out_of_memory_line(exc: BaseException, rank: int) -> str | None:
-    """One line for an out-of-memory anywhere in the step -- torch's allocator, or NCCL's own buffers, which
-    surface as a collective's error ("Failed to CUDA calloc") -- else None."""
+    """One line for an out-of-memory anywhere in the step -- torch's allocator, NCCL's own buffers ("Failed to CUDA
+    calloc") or a library's workspace -- else None."""
     text = str(exc)
-    if not (isinstance(exc, torch.OutOfMemoryError) or "CUDA calloc" in text or "out of memory" in text.lower()):
+    # NCCL's buffers surface as a failed calloc, cuBLAS's workspace as CUBLAS_STATUS_ALLOC_FAILED
+    memory = ("CUDA calloc", "ALLOC_FAILED", "out of memory")
+    if not (isinstance(exc, torch.OutOfMemoryError) or any(m in text or m in text.lower() for m in memory)):
         return None
     held = ""
     if torch.cuda.is_available():
