@@ -3,8 +3,11 @@ compliance checker, and its terminal holds the metrics lines, not MLLOG's JSON o
 
 import json
 import math
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,8 @@ from run_outputs import column, metrics, set_flags, train, train_command
 
 from flux_train.outputs.results import read_events
 from flux_train.training.train import main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +64,57 @@ def test_report_png_draws_the_numbers_of_metrics_jsonl_and_tensorboard_has_them(
         logged = [r for r in rows if tag in r]
         assert [e.step for e in board.Scalars(tag)] == [r["step"] for r in logged]
         assert [e.value for e in board.Scalars(tag)] == pytest.approx([r[tag] for r in logged], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_the_readmes_next_commands_export_and_sample_the_runs_last_step(debug_run, tiny_models, tmp_path):
+    """The README's commands after the debug run, as written there, in a folder whose runs/debug is this run, with
+    tiny random encoders in FLUX.1-schnell's layout for the local weights (tests/tiny_models.py)."""
+    from diffusers import FluxTransformer2DModel
+
+    from flux_train.config import load_config
+    from flux_train.model.diffusers_adapter import to_diffusers
+    from flux_train.training.checkpoint import list_checkpoints, read_weights
+
+    out, proc = debug_run
+    last = metrics(out)[-1]["step"]
+    final = out / "checkpoints" / f"step_{last:08d}"
+    assert list_checkpoints(out / "checkpoints") == [final]  # the debug config saves no other
+    assert f"saved checkpoint {final}" in proc.stdout
+
+    weights = tmp_path / "FLUX.1-schnell"
+    for name, tiny in [("vae", "vae"), ("text_encoder_2", "t5"), ("text_encoder", "clip")] + [
+        (name, "tokenizer") for name in ("tokenizer", "tokenizer_2")
+    ]:
+        (weights / name).parent.mkdir(exist_ok=True)
+        (weights / name).symlink_to(tiny_models / tiny)
+    cwd = tmp_path / "cwd"
+    (cwd / "runs").mkdir(parents=True)
+    (cwd / "runs" / "debug").symlink_to(out)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    commands = next(b for b in blocks if "python -m flux_train.checkpoint export" in b)
+    assert "W=/models/FLUX.1-schnell" in commands
+    env = os.environ | {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        ["bash", "-euc", commands.replace("/models/FLUX.1-schnell", str(weights))],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+    exported = FluxTransformer2DModel.from_pretrained(cwd / "runs" / "debug" / "exported").state_dict()
+    cfg = load_config(out / "config.yaml")
+    expected = to_diffusers(read_weights(cfg, final), cfg.model)
+    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
+    shown = f"runs/debug/checkpoints/step_{last:08d}"
+    assert f"wrote runs/debug/grid.png: 2 images of 256x256 from {shown}" in done.stdout
+    grid = Image.open(cwd / "runs" / "debug" / "grid.png")
+    assert grid.format == "PNG" and grid.size == (512, 256)  # two prompts side by side
 
 
 @pytest.mark.slow
@@ -129,32 +185,29 @@ def test_official_compliance_checker_accepts_the_log(debug_run):
 
 
 @pytest.mark.slow
-def test_step_cap_ends_aborted_with_mllog_on_stdout_when_asked(tmp_path, capsys):
+@pytest.mark.parametrize("final", [True, False])
+def test_step_cap_ends_aborted_with_mllog_on_stdout_when_asked(tmp_path, capsys, final):
+    """The run saves the step it stopped at (checkpoint.final; no periodic checkpoints here), and the same command
+    again is refused: the run has finished."""
+    from flux_train.training.checkpoint import list_checkpoints
+
     # in-process, so the synthetic source: forking energon's loader workers from pytest's process is not safe
-    rc = main(
-        [
-            "--config",
-            "configs/debug.yaml",
-            "--set",
-            "data.source=synthetic",
-            "--set",
-            f"logging.out_dir={tmp_path}",
-            "--set",
-            "train.max_steps=4",
-            "--set",
-            "logging.mllog_stdout=true",
-            "--set",
-            "eval.every_steps=2",
-            "--set",
-            "logging.log_every=2",
-        ]
-    )
-    assert rc == 0
+    argv = [
+        "--config",
+        "configs/debug.yaml",
+        *set_flags(["data.source=synthetic", f"logging.out_dir={tmp_path}", "train.max_steps=4"]),
+        *set_flags(["logging.mllog_stdout=true", "eval.every_steps=2", "logging.log_every=2"]),
+        *set_flags([f"checkpoint.final={str(final).lower()}"]),
+    ]
+    assert main(argv) == 0
     logged = (tmp_path / "mllog.log").read_text().splitlines()
     assert [line for line in capsys.readouterr().out.splitlines() if ":::MLLOG" in line] == logged
     events = read_events(tmp_path / "mllog.log")
     assert [e["metadata"]["status"] for e in events if e["key"] == "run_stop"] == ["aborted"]
     assert len([e for e in events if e["key"] == "eval_accuracy"]) == 2
+    saved = list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in saved] == (["step_00000004"] if final else [])
+    assert main(argv) == 2 and "holds a finished run" in capsys.readouterr().err
 
 
 def test_bad_config_exits_2_with_one_message(tmp_path, capsys):
