@@ -40,10 +40,11 @@ from dataprep.format import (
 )
 from flux_train.config import Config, DataConfig, ModelConfig
 from flux_train.data.sources import DataError, DataSource, TrainStream
-from flux_train.private_apis import energon_shard_end, split_samples_to_workers
+from flux_train.private_apis import energon_shard_end, quiet_energon_sample_errors, split_samples_to_workers
 
 # energon's loaders always ask for page-locked memory; on a host without a GPU torch warns that there is none
 warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found")
+quiet_energon_sample_errors()  # a bad sample is named once, by reading(), not first by energon on stdout
 
 
 @stateless
