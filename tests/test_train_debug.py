@@ -14,7 +14,9 @@ import torch
 from PIL import Image
 from run_outputs import column, metrics, set_flags, train, train_command
 
+from flux_train.config import load_config
 from flux_train.outputs.results import read_events
+from flux_train.training.metrics import Eta, eta_goals
 from flux_train.training.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -278,13 +280,34 @@ def test_out_of_memory_ends_in_one_line_naming_the_fix(monkeypatch, capsys, tmp_
     assert err[0].startswith("out of GPU memory on rank 0") and "train.micro_batch_size" in err[0]
 
 
+def test_the_eta_counts_down_to_the_next_eval_and_where_the_reference_converged():
+    """The bar's times: to the next eval, and to the eval where the MLPerf reference runs converged at this GBS (their
+    mean, then their latest), then to the step cap; the debug flavor has no reference, only the cap. Evals count in."""
+    assert eta_goals(load_config("configs/debug.yaml")) == [(600, "step cap")]
+    assert eta_goals(load_config("configs/systems/H200_01x08.yaml")) == [  # GBS 512: an eval every 512 steps
+        (14336, "RCP mean (7.24 M samples)"),
+        (14848, "RCP max (7.60 M samples)"),
+        (30000, "step cap"),
+    ]
+    eta = Eta(25, [(600, "step cap")])
+    assert eta.text(150) == ""  # nothing measured yet
+    eta.step_s = 0.2
+    assert eta.text(150) == "next eval in 00:05, step cap in >01:30"  # evals to come, not measured yet
+    eta.eval_s = 1.0
+    assert eta.text(160) == "next eval in 00:03, step cap in 01:46"  # 440 steps and 18 evals
+    eta = Eta(512, eta_goals(load_config("configs/systems/H200_01x08.yaml")))
+    eta.step_s, eta.eval_s = 2.5, 60.0
+    assert eta.text(14336) == "next eval in 21:20, RCP max (7.60 M samples) in 22:20"  # past the mean: the max
+    assert eta.text(14848).endswith("step cap in 11:00:20")  # past the max: the cap
+
+
 def test_the_progress_bar_shows_a_finite_training_loss_through_evals(tmp_path):
     """On a terminal, the bar's loss is the last training loss, also after an eval (whose row has none: the bar
-    showed loss=nan from the first eval on, which reads as divergence), and the val loss beside it."""
+    showed loss=nan from the first eval on, which reads as divergence), and the val loss beside it; its times are
+    to the next eval and the step cap (tqdm's own estimate, to the cap without the evals, is not drawn)."""
     import fcntl
     import os
     import pty
-    import re
     import select
     import struct
     import termios
@@ -310,3 +333,5 @@ def test_the_progress_bar_shows_a_finite_training_loss_through_evals(tmp_path):
     assert shown and vals, drawn[-2000:]
     assert all(math.isfinite(float(v)) for v in shown + vals), shown
     assert float(shown[-1]) == pytest.approx(column(tmp_path, "loss")[-1], abs=1e-4)
+    assert re.search(rb"next eval in \d\d:\d\d, step cap in \d\d:\d\d", drawn), drawn[-2000:]
+    assert not re.search(rb"\d\d:\d\d<\d\d:\d\d", drawn), drawn[-2000:]

@@ -39,7 +39,7 @@ from flux_train.outputs.mllog import C, MLLogger
 from flux_train.training import checkpoint, preemption, preflight, run_folder
 from flux_train.training.evaluate import Evaluator
 from flux_train.training.heartbeat import ExitDeadline, Heartbeat
-from flux_train.training.metrics import LogWindow, Metrics
+from flux_train.training.metrics import Eta, LogWindow, Metrics, eta_goals
 from flux_train.training.optim import lr_at
 from flux_train.training.parallel import (
     build_training,
@@ -269,7 +269,7 @@ class Trainer:
             self.out_dir,
             self.device,
             self.dist.world_size,
-            t.max_steps,
+            Eta(eval_interval_steps(cfg) if cfg.eval.enabled else None, eta_goals(cfg)),
             self.dist.is_main,
             cfg.logging.progress_bar,
             cfg.logging.tensorboard,
