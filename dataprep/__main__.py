@@ -15,7 +15,7 @@ from dataprep.encoders import add_encoder_arguments
 from dataprep.folder_lock import FolderLockError, lock_folder
 from dataprep.format import DataprepError, Shape
 
-EXIT_BAD_INPUT = 2  # as flux_train.errors.EXIT_BAD_INPUT
+EXIT_BAD_INPUT = DataprepError.exit_code
 
 
 def _shape(text: str) -> Shape:
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
             return run(args)
     except DataprepError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted: rerun the same command to resume", file=sys.stderr)
         return 130

@@ -11,16 +11,20 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from tqdm import tqdm
+
 from dataprep import progress
 from dataprep.format import DataprepError, Shape, check_sample, tar_sample
 from dataprep.lifetime import die_with_parent
-from dataprep.shards import ShardPlan, ShardRecord, SplitWriter, plan_shards, val_first_key
+from dataprep.shards import PARTIAL, ShardPlan, ShardRecord, SplitWriter, plan_shards, val_first_key
 
 COLUMNS = {"t5_encodings": "t5", "clip_encodings": "clip", "mean": "mean", "logvar": "logvar"}
 CHUNK_ROWS = 32  # rows read from Arrow at once: bounds a worker's memory to ~70 MB at full size
@@ -93,6 +97,9 @@ _worker: dict = {"tables": {}}  # per worker process: opened inputs, the progres
 
 def _init_worker(progress_queue, stop, parent: int) -> None:
     die_with_parent(parent)  # a killed convert takes its pool along (its queues would keep the workers waiting)
+    # tqdm's default lock (datasets' loading draws bars in threads) is a semaphore that, once its worker is killed,
+    # Python's resource tracker reports as leaked below convert's own line; one process needs a thread lock only
+    tqdm.set_lock(threading.RLock())
     _worker.update(queue=progress_queue, stop=stop)
 
 
@@ -138,6 +145,27 @@ def _convert_shard(job: ShardJob) -> ShardRecord:
     return SplitWriter(Path(job.root), job.split).write(job.plan, _rows(job, skipped), skipped)
 
 
+class WorkerDied(DataprepError):
+    """A pool worker ended abruptly: killed (the out-of-memory killer's SIGKILL) or crashed. Not a bad input."""
+
+    exit_code = 1
+
+
+def _worker_died(jobs: list[ShardJob]) -> WorkerDied:
+    """The shards being written when the pool broke (their partial files: a dead worker's stays, as do those of the
+    workers the pool stopped after it), and what to do."""
+    writing = [
+        f"{job.split}/{job.plan.name}"
+        for job in jobs
+        if (Path(job.root) / job.split / (job.plan.name + PARTIAL)).exists()
+    ]
+    where = ("one of " if len(writing) > 1 else "") + ", ".join(writing) if writing else "a shard"
+    return WorkerDied(
+        f"a convert worker was killed (or crashed) while writing {where}; the out-of-memory killer is the usual "
+        "cause (dmesg names it): lower --workers, then run the same command again (finished shards are kept)"
+    )
+
+
 def _run_pool(jobs: list[ShardJob], workers: int, bar) -> dict[str, list[ShardRecord]]:
     """Every shard job on one pool of spawned workers; returns the new records per split."""
     ctx = mp.get_context("spawn")  # fork would copy the parent's Arrow maps and threads
@@ -159,9 +187,11 @@ def _run_pool(jobs: list[ShardJob], workers: int, bar) -> dict[str, list[ShardRe
                     bar.set_postfix_str(f"{progress.human_bytes(nbytes)} in last chunk", refresh=False)
             except queue.Empty:
                 pass
-    except BaseException:
+    except BaseException as exc:
         stop.set()  # running workers abandon their shard (its partial file is removed)
         pool.shutdown(wait=True, cancel_futures=True)
+        if isinstance(exc, BrokenProcessPool):
+            raise _worker_died(jobs) from None
         raise
     pool.shutdown(wait=True)
     return records

@@ -38,6 +38,8 @@ class FormatError(ValueError):
 class DataprepError(Exception):
     """Bad input or an unfinished/incompatible output; the message names the file and sample and the fix."""
 
+    exit_code = 2  # bad input, as flux_train.errors.EXIT_BAD_INPUT
+
 
 @dataclass(frozen=True)
 class Shape:

@@ -183,6 +183,9 @@ class CheckpointConfig:
     resume: str = "auto"  # auto | none | <path>
     # write checkpoints in the background: a save costs training only the copy to host memory
     async_save: bool = False
+    # save the state a run ends with (an eval at the target, or train.max_steps), after run_stop: what export, samples
+    # and a longer run start from; false: none (a diverged run never saves its non-finite state)
+    final: bool = True
 
 
 @dataclass

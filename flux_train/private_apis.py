@@ -1,5 +1,5 @@
 """The dependencies' private APIs that flux-train relies on, all of them, in one place, with the version range
-they are tested against (pyproject.toml pins it). The first four are wrapped below; the last four are one call
+they are tested against (pyproject.toml pins it). The first five are wrapped below; the last four are one call
 each, where they are used. None has a public equivalent; a release that changes one breaks here, and the tests
 named beside each fail first.
 
@@ -11,6 +11,10 @@ named beside each fail first.
 - megatron-energon 7.x: the `<shard>.tar.idx` files its `prepare` writes beside each shard (uint64 byte offsets of
   the samples, then the end of the last), so that a shard cut short is named before the run reads it. Tests:
   tests/test_data_energon.py.
+- megatron-energon 7.x: the module-level `print` of `megatron.energon.errors`, through which `ErrorContext` prints
+  "Except <error> in <stage>" on stdout before it calls the error handler; with ours (`reraise_exception`) the
+  error reaches the trainer, which names it in one line, so the print is dropped (`quiet_energon_sample_errors`).
+  Tests: tests/test_data_energon.py.
 - mlperf-logging 4.1 (<5): the compliance checker's `make_checker` and its module-level `enqueued_configs`,
   the checker object's message dictionaries, `rcp_checker.check_directory` and the RCP table beside it. The
   package's public interface is its command line, which prints and exits; `results` needs the verdicts keyed
@@ -60,6 +64,17 @@ def energon_shard_end(tar: Path) -> int | None:
         return None
     data = index.read_bytes()
     return struct.unpack("Q", data[-8:])[0] if len(data) >= 8 else None  # "Q": as energon packs them
+
+
+def quiet_energon_sample_errors() -> None:
+    """Drop energon's "Except ... in ..." line: the error it announces is re-raised and reported once, by us."""
+    from megatron.energon import errors
+
+    def print_but_sample_errors(*args, **kwargs) -> None:
+        if not (args and isinstance(args[0], str) and args[0].startswith("Except ")):
+            print(*args, **kwargs)
+
+    errors.print = print_but_sample_errors
 
 
 @dataclass

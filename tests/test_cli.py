@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from tqdm import tqdm
 
 from dataprep import progress
 from dataprep.__main__ import main as dataprep
-from flux_train.cluster import submit
+from flux_train.cluster import launch, submit
 from flux_train.outputs import results
 from flux_train.tools import bench, plan, reduce_precision
 from flux_train.training import checkpoint, sample, train
@@ -239,6 +240,30 @@ BAD_INPUTS = [
     ("dataprep-unknown-command", DATAPREP, ["shuffle"], "argument command: invalid choice: 'shuffle'"),
 ]
 
+# inputs that used to be refused only after init_start, or in a traceback (issue 32); the GPU rows need a host without
+# one (with a GPU they are good inputs and would train)
+LAUNCH = "python -m flux_train.cluster.launch"
+COMMANDS[LAUNCH] = launch.main
+BAD_INPUTS += [
+    (
+        "train-dims-unlike-the-dataset",
+        TRAIN,
+        [*DEBUG, "--set", "model.pooled_projection_dim=512"],
+        "the dataset's samples have clip [768], the model takes clip of width model.pooled_projection_dim 512",
+    ),
+    (
+        "launch-local-dir-is-a-file",
+        LAUNCH,
+        [*SYSTEM, "--local", "--set", "env.local_dir={tmp}/notes.txt"],
+        "env.local_dir: cannot create {tmp}/notes.txt/",
+    ),
+]
+if not torch.cuda.is_available():
+    BAD_INPUTS += [
+        ("train-cuda-without-a-gpu", TRAIN, [*DEBUG, "--set", "train.device=cuda"], "train.device=cuda but no GPU"),
+        ("train-triton-rmsnorm-without-a-gpu", TRAIN, [*DEBUG, "--set", "perf.rmsnorm=triton"], "perf.rmsnorm=triton"),
+    ]
+
 
 def bad_input_world(tmp: Path, argv: list[str], monkeypatch) -> Path:
     """The files the rows name, and Slurm commands that cannot reach a controller (so no row can queue a job);
@@ -254,6 +279,7 @@ def bad_input_world(tmp: Path, argv: list[str], monkeypatch) -> Path:
         (tmp / "bin" / name).write_text(f"#!/bin/sh\necho '{UNREACHABLE}' >&2\nexit 1\n")
         (tmp / "bin" / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' Triton-on-CPU, which no user has
     # a progress bar is not a message (convert draws one before it can know that every sample is bad)
     monkeypatch.setattr(progress, "bar", lambda *args, **kwargs: tqdm(disable=True))
     (tmp / "cwd").mkdir()

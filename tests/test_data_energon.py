@@ -318,6 +318,38 @@ def test_a_garbled_tar_header_is_one_line_naming_the_shard(dataset, tmp_path):
     )
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_sample_of_the_wrong_dtype_is_named_once_in_our_words(dataset, tmp_path, capfd, workers):
+    """energon printed "Except <our message> in MapDataset.functools.partial(...)" on stdout before our line; now
+    nothing but our error, in the loader's process or in its worker."""
+    from dataprep.prepare import prepare
+
+    copy = shutil.copytree(dataset, tmp_path / "ds")
+    shard = copy / "train" / "shard_000001.tar"
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar]
+    bad = next(m for m, _ in members if m.name.endswith(".mean.bytes"))
+    as_float32 = io.BytesIO()
+    np.save(as_float32, np.zeros((16, 2, 2), np.float32))
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for member, data in members:
+            data = as_float32.getvalue() if member is bad else data
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    prepare(copy, workers=1, quiet=True)  # the index of the rewritten shard
+    capfd.readouterr()
+    train = stream(copy, workers=workers, micro=4)
+    with pytest.raises(DataError) as exc:
+        for _ in range(20):
+            next(train)
+    assert str(exc.value) == (
+        f"train/shard_000001.tar: sample {bad.name.split('.')[0]}: mean.bytes: dtype float32, expected uint16 "
+        "(bf16 bits)"
+    )
+    printed = capfd.readouterr()
+    assert "Except" not in printed.out + printed.err, printed
+
+
 @pytest.mark.slow
 def test_a_garbled_sample_read_by_a_loader_worker_ends_the_run_in_one_line(dataset, tmp_path):
     """The worker's error reaches the trainer with the worker's whole traceback as its message: one line of it."""

@@ -156,6 +156,47 @@ def test_killed_convert_reruns_to_the_same_shards_without_partial_files(tmp_path
     assert (out / "train" / "index.txt").read_text() == (reference / "train" / "index.txt").read_text()
 
 
+@pytest.mark.slow
+def test_a_killed_worker_is_one_line_naming_its_shard_and_the_rerun_finishes(tmp_path):
+    """SIGKILL to the pool's worker in the middle of a shard, as the out-of-memory killer sends it: convert ends in
+    one line naming that shard, exit 1 (it was BrokenProcessPool's traceback), and the same command again finishes."""
+    spec = FixtureSpec(train=40, val=0, text_len=256, height=2, width=2, samples_per_shard=2)
+    inputs = write_arrow(tmp_path / "arrow", spec)
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "dataprep", "convert", "--train", str(inputs["train"]), "--shape", "256,2,2"]
+    args += ["--samples-per-shard", "2", "--workers", "1", "--out", str(out)]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    frozen: list = []
+
+    def writing_a_shard() -> bool:  # the worker stopped while a shard of its is partial, or let go on a little
+        worker = next((pid for pid in children(proc.pid) if str(inputs["train"]) in maps(pid)), None)
+        if worker is None:
+            return False
+        os.kill(worker, signal.SIGSTOP)
+        frozen[:] = [worker, *(out / "train").glob("*.partial")]
+        if len(frozen) > 1:
+            return True
+        os.kill(worker, signal.SIGCONT)
+        return False
+
+    try:
+        wait_for(writing_a_shard, 120, "the worker in the middle of a shard", interval=0.002)
+        worker, partial = frozen[:2]
+        os.kill(worker, signal.SIGKILL)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    shard = f"train/{partial.name.removesuffix('.partial')}"
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == (
+        f"error: a convert worker was killed (or crashed) while writing {shard}; the out-of-memory killer is the "
+        "usual cause (dmesg names it): lower --workers, then run the same command again (finished shards are kept)"
+    )
+    rerun = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert rerun.returncode == 0 and " already finished" in rerun.stdout, rerun.stderr[-3000:]
+    assert len(digests(out / "train")) == 20 and not list(out.rglob("*.partial"))
+
+
 def bad_input(tmp_path, mutate, val=False):
     samples = list(fixture_samples(SPEC, "val" if val else "train"))
     mutate(samples)

@@ -221,6 +221,39 @@ def test_a_full_log_disk_ends_in_one_line_and_the_next_start_resumes_past_it_and
     assert all(line.startswith(":::MLLOG {") and line.endswith("}") for line in log.read_text().splitlines())
 
 
+def in_a_small_tmpfs(folder: Path, size: int, command: list[str]) -> list[str]:
+    """`command` in a mount namespace of its own where `folder` is a tmpfs of `size` bytes: a real full disk (ENOSPC),
+    gone with the process. A user namespace makes root unneeded where the kernel allows them."""
+    mount = 'mount -t tmpfs -o size="$1" tmpfs "$0" && shift && exec "$@"'
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, str(folder), str(size), *command]
+
+
+def test_a_full_disk_at_a_save_says_so_naming_the_folder_and_the_last_good_checkpoint(tmp_path):
+    """Checkpoints on a tmpfs with room for one and a half: the save at step 4 runs out of room (torch's writer calls
+    that "unexpected pos"; the line says the disk is full)."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    probe = subprocess.run(in_a_small_tmpfs(folder, 1 << 20, ["true"]), capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"no tmpfs in a mount namespace here: {probe.stderr.strip()}")
+    ckpt = folder / "checkpoints"
+    run = {"data.source": "synthetic", "eval.enabled": "false", "logging.log_every": 2, "checkpoint.every_steps": 2}
+    run |= {"train.max_steps": 6, "checkpoint.dir": ckpt}
+    cfg = load_config("configs/debug.yaml", [f"{k}={v}" for k, v in run.items()])
+    command = train_command(tmp_path / "run", *set_flags(run))
+    proc = subprocess.run(
+        in_a_small_tmpfs(folder, int(1.5 * checkpoint.checkpoint_bytes(cfg)), command),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 74 and proc.stderr.strip().splitlines() == [
+        f"fatal: writing checkpoint {ckpt / 'step_00000004'} failed (the disk is full: no space left in {ckpt}; "
+        f"make room there); the last good checkpoint is {ckpt / 'step_00000002'} (checkpoint.resume=auto picks it "
+        "up)"
+    ], proc.stderr[-3000:]
+
+
 # ------------------------------------------------------------------ checkpoints
 
 

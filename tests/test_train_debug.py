@@ -3,16 +3,23 @@ compliance checker, and its terminal holds the metrics lines, not MLLOG's JSON o
 
 import json
 import math
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 from run_outputs import column, metrics, set_flags, train, train_command
 
+from flux_train.config import load_config
 from flux_train.outputs.results import read_events
+from flux_train.training.metrics import Eta, eta_goals
 from flux_train.training.train import main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +66,57 @@ def test_report_png_draws_the_numbers_of_metrics_jsonl_and_tensorboard_has_them(
         logged = [r for r in rows if tag in r]
         assert [e.step for e in board.Scalars(tag)] == [r["step"] for r in logged]
         assert [e.value for e in board.Scalars(tag)] == pytest.approx([r[tag] for r in logged], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_the_readmes_next_commands_export_and_sample_the_runs_last_step(debug_run, tiny_models, tmp_path):
+    """The README's commands after the debug run, as written there, in a folder whose runs/debug is this run, with
+    tiny random encoders in FLUX.1-schnell's layout for the local weights (tests/tiny_models.py)."""
+    from diffusers import FluxTransformer2DModel
+
+    from flux_train.config import load_config
+    from flux_train.model.diffusers_adapter import to_diffusers
+    from flux_train.training.checkpoint import list_checkpoints, read_weights
+
+    out, proc = debug_run
+    last = metrics(out)[-1]["step"]
+    final = out / "checkpoints" / f"step_{last:08d}"
+    assert list_checkpoints(out / "checkpoints") == [final]  # the debug config saves no other
+    assert f"saved checkpoint {final}" in proc.stdout
+
+    weights = tmp_path / "FLUX.1-schnell"
+    for name, tiny in [("vae", "vae"), ("text_encoder_2", "t5"), ("text_encoder", "clip")] + [
+        (name, "tokenizer") for name in ("tokenizer", "tokenizer_2")
+    ]:
+        (weights / name).parent.mkdir(exist_ok=True)
+        (weights / name).symlink_to(tiny_models / tiny)
+    cwd = tmp_path / "cwd"
+    (cwd / "runs").mkdir(parents=True)
+    (cwd / "runs" / "debug").symlink_to(out)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    commands = next(b for b in blocks if "python -m flux_train.checkpoint export" in b)
+    assert "W=/models/FLUX.1-schnell" in commands
+    env = os.environ | {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        ["bash", "-euc", commands.replace("/models/FLUX.1-schnell", str(weights))],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+    exported = FluxTransformer2DModel.from_pretrained(cwd / "runs" / "debug" / "exported").state_dict()
+    cfg = load_config(out / "config.yaml")
+    expected = to_diffusers(read_weights(cfg, final), cfg.model)
+    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
+    shown = f"runs/debug/checkpoints/step_{last:08d}"
+    assert f"wrote runs/debug/grid.png: 2 images of 256x256 from {shown}" in done.stdout
+    grid = Image.open(cwd / "runs" / "debug" / "grid.png")
+    assert grid.format == "PNG" and grid.size == (512, 256)  # two prompts side by side
 
 
 @pytest.mark.slow
@@ -129,32 +187,29 @@ def test_official_compliance_checker_accepts_the_log(debug_run):
 
 
 @pytest.mark.slow
-def test_step_cap_ends_aborted_with_mllog_on_stdout_when_asked(tmp_path, capsys):
+@pytest.mark.parametrize("final", [True, False])
+def test_step_cap_ends_aborted_with_mllog_on_stdout_when_asked(tmp_path, capsys, final):
+    """The run saves the step it stopped at (checkpoint.final; no periodic checkpoints here), and the same command
+    again is refused: the run has finished."""
+    from flux_train.training.checkpoint import list_checkpoints
+
     # in-process, so the synthetic source: forking energon's loader workers from pytest's process is not safe
-    rc = main(
-        [
-            "--config",
-            "configs/debug.yaml",
-            "--set",
-            "data.source=synthetic",
-            "--set",
-            f"logging.out_dir={tmp_path}",
-            "--set",
-            "train.max_steps=4",
-            "--set",
-            "logging.mllog_stdout=true",
-            "--set",
-            "eval.every_steps=2",
-            "--set",
-            "logging.log_every=2",
-        ]
-    )
-    assert rc == 0
+    argv = [
+        "--config",
+        "configs/debug.yaml",
+        *set_flags(["data.source=synthetic", f"logging.out_dir={tmp_path}", "train.max_steps=4"]),
+        *set_flags(["logging.mllog_stdout=true", "eval.every_steps=2", "logging.log_every=2"]),
+        *set_flags([f"checkpoint.final={str(final).lower()}"]),
+    ]
+    assert main(argv) == 0
     logged = (tmp_path / "mllog.log").read_text().splitlines()
     assert [line for line in capsys.readouterr().out.splitlines() if ":::MLLOG" in line] == logged
     events = read_events(tmp_path / "mllog.log")
     assert [e["metadata"]["status"] for e in events if e["key"] == "run_stop"] == ["aborted"]
     assert len([e for e in events if e["key"] == "eval_accuracy"]) == 2
+    saved = list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in saved] == (["step_00000004"] if final else [])
+    assert main(argv) == 2 and "holds a finished run" in capsys.readouterr().err
 
 
 def test_bad_config_exits_2_with_one_message(tmp_path, capsys):
@@ -225,13 +280,34 @@ def test_out_of_memory_ends_in_one_line_naming_the_fix(monkeypatch, capsys, tmp_
     assert err[0].startswith("out of GPU memory on rank 0") and "train.micro_batch_size" in err[0]
 
 
+def test_the_eta_counts_down_to_the_next_eval_and_where_the_reference_converged():
+    """The bar's times: to the next eval, and to the eval where the MLPerf reference runs converged at this GBS (their
+    mean, then their latest), then to the step cap; the debug flavor has no reference, only the cap. Evals count in."""
+    assert eta_goals(load_config("configs/debug.yaml")) == [(600, "step cap")]
+    assert eta_goals(load_config("configs/systems/H200_01x08.yaml")) == [  # GBS 512: an eval every 512 steps
+        (14336, "RCP mean (7.24 M samples)"),
+        (14848, "RCP max (7.60 M samples)"),
+        (30000, "step cap"),
+    ]
+    eta = Eta(25, [(600, "step cap")])
+    assert eta.text(150) == ""  # nothing measured yet
+    eta.step_s = 0.2
+    assert eta.text(150) == "next eval in 00:05, step cap in >01:30"  # evals to come, not measured yet
+    eta.eval_s = 1.0
+    assert eta.text(160) == "next eval in 00:03, step cap in 01:46"  # 440 steps and 18 evals
+    eta = Eta(512, eta_goals(load_config("configs/systems/H200_01x08.yaml")))
+    eta.step_s, eta.eval_s = 2.5, 60.0
+    assert eta.text(14336) == "next eval in 21:20, RCP max (7.60 M samples) in 22:20"  # past the mean: the max
+    assert eta.text(14848).endswith("step cap in 11:00:20")  # past the max: the cap
+
+
 def test_the_progress_bar_shows_a_finite_training_loss_through_evals(tmp_path):
     """On a terminal, the bar's loss is the last training loss, also after an eval (whose row has none: the bar
-    showed loss=nan from the first eval on, which reads as divergence), and the val loss beside it."""
+    showed loss=nan from the first eval on, which reads as divergence), and the val loss beside it; its times are
+    to the next eval and the step cap (tqdm's own estimate, to the cap without the evals, is not drawn)."""
     import fcntl
     import os
     import pty
-    import re
     import select
     import struct
     import termios
@@ -257,3 +333,5 @@ def test_the_progress_bar_shows_a_finite_training_loss_through_evals(tmp_path):
     assert shown and vals, drawn[-2000:]
     assert all(math.isfinite(float(v)) for v in shown + vals), shown
     assert float(shown[-1]) == pytest.approx(column(tmp_path, "loss")[-1], abs=1e-4)
+    assert re.search(rb"next eval in \d\d:\d\d, step cap in \d\d:\d\d", drawn), drawn[-2000:]
+    assert not re.search(rb"\d\d:\d\d<\d\d:\d\d", drawn), drawn[-2000:]

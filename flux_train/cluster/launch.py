@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flux_train.config import Config, ConfigError, load_config, validate
-from flux_train.errors import Parser
+from flux_train.errors import Parser, reports_user_errors
 from flux_train.masking import mask_env
 from flux_train.training.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from flux_train.training.preemption import REQUEUE_FLAG_ENV, SIGNAL
@@ -397,7 +397,13 @@ def run_node(cfg: Config, local: bool = False) -> str:
     nproc = cfg.slurm.gpus_per_node
     validate(cfg, world_size=node.count * nproc)
     local_dir = local_dir_for(cfg, node)
-    local_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        local_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"env.local_dir: cannot create {local_dir} on this node ({exc.strerror}); set env.local_dir (or $TMPDIR) "
+            "to a writable node-local folder"
+        ) from None
     restart = f", restart {node.restarts}" if node.restarts else ""
     log(
         node,
@@ -445,6 +451,7 @@ class NodeAgent:
         return run_node(self.cfg)
 
 
+@reports_user_errors
 def main(argv=None) -> int:
     p = Parser(prog="python -m flux_train.cluster.launch", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML config (a system file from configs/systems/)")
@@ -455,9 +462,6 @@ def main(argv=None) -> int:
 
     try:
         status = run_node(load_config(args.config, args.overrides), args.local)
-    except ConfigError as exc:
-        print(f"launch: config error: {exc}", file=sys.stderr)
-        return 2
     except WorkerFailure:
         return 1  # already logged
     except SignalException as exc:  # Ctrl-C, SIGHUP or SIGQUIT: the launcher has stopped the workers

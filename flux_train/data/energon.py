@@ -10,7 +10,7 @@ import re
 import tarfile
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from megatron.energon import (
@@ -40,10 +40,11 @@ from dataprep.format import (
 )
 from flux_train.config import Config, DataConfig, ModelConfig
 from flux_train.data.sources import DataError, DataSource, TrainStream
-from flux_train.private_apis import energon_shard_end, split_samples_to_workers
+from flux_train.private_apis import energon_shard_end, quiet_energon_sample_errors, split_samples_to_workers
 
 # energon's loaders always ask for page-locked memory; on a host without a GPU torch warns that there is none
 warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found")
+quiet_energon_sample_errors()  # a bad sample is named once, by reading(), not first by energon on stdout
 
 
 @stateless
@@ -311,12 +312,12 @@ class DimsCheck:
         self.check(dims, f"{sample_where(sample)}: the samples")
 
 
-def _fixture(cfg: Config, rank: int) -> Path:
+def _fixture(cfg: Config) -> Path:
     from dataprep.fixture import ensure_fixture  # only debug runs write data
 
     d = cfg.data
     root = Path(d.fixture_dir) if d.fixture_dir else Path(cfg.logging.out_dir) / "fixture"
-    path = ensure_fixture(
+    return ensure_fixture(
         root,
         train=d.synthetic_train_samples,
         val=d.synthetic_val_samples,
@@ -325,18 +326,22 @@ def _fixture(cfg: Config, rank: int) -> Path:
         width=d.synthetic_latent_size,
         seed=cfg.train.seed,
     )
-    if rank == 0:
-        print(
-            f"flux-train: data.path is unset, training on the fixture dataset {path} (a debug set: "
-            f"{d.synthetic_train_samples} train, {d.synthetic_val_samples} val samples)",
-            flush=True,
-        )
-    return path
 
 
-def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
+class DatasetFiles(NamedTuple):
+    """What a run reads of the dataset before its first sample, checked against the config."""
+
+    path: Path
+    empty_t5: torch.Tensor
+    empty_clip: torch.Tensor
+    dims: DimsCheck
+
+
+def dataset_files(cfg: Config) -> DatasetFiles:
+    """The dataset (data.path, or the fixture, written on first use), its shards' ends, its empty encodings and its
+    description of itself, each checked against the model: preflight.check_inputs runs it before init_start."""
     d = cfg.data
-    path = Path(d.path) if d.path else _fixture(cfg, rank)
+    path = Path(d.path) if d.path else _fixture(cfg)
     if not (path / ".nv-meta" / "dataset.yaml").is_file():
         raise DataError(
             f"{path}: not a prepared energon dataset (no .nv-meta/dataset.yaml); run "
@@ -349,7 +354,18 @@ def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
         info = read_info(path)
     except FormatError as exc:
         raise DataError(str(exc)) from None
-    dims = DimsCheck(path, info, empty_t5, empty_clip, cfg.model, empty_dir)
+    return DatasetFiles(path, empty_t5, empty_clip, DimsCheck(path, info, empty_t5, empty_clip, cfg.model, empty_dir))
+
+
+def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
+    d = cfg.data
+    path, empty_t5, empty_clip, dims = dataset_files(cfg)
+    if not d.path and rank == 0:
+        print(
+            f"flux-train: data.path is unset, training on the fixture dataset {path} (a debug set: "
+            f"{d.synthetic_train_samples} train, {d.synthetic_val_samples} val samples)",
+            flush=True,
+        )
     try:
         val = EnergonVal(path, rank, world, cfg.eval.batch_size, d.num_workers, check_sample=dims)
         train = EnergonTrainStream(path, rank, world, cfg.train.micro_batch_size, d, cfg.train.seed)

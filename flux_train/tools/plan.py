@@ -47,8 +47,8 @@ from flux_train.config import (
 )
 from flux_train.errors import Parser, UserError, positive_int, positive_number, reports_user_errors
 from flux_train.model.flux import flops_per_sample, param_count
-from flux_train.outputs.results import BENCHMARK, RULESET, USAGE
-from flux_train.private_apis import rcp_records
+from flux_train.outputs.results import BENCHMARK, RULESET, USAGE, rcp_samples
+from flux_train.private_apis import rcp_batch_sizes
 from flux_train.tools.bench_table import precision_of, read_rows
 from flux_train.training.checkpoint import checkpoint_bytes, checkpoint_disk_gb
 from flux_train.training.parallel import reduce_dtype
@@ -158,16 +158,14 @@ def row_config(cfg: Config, row: dict) -> Config:
 
 def rcp_points(gbs: int) -> dict:
     """Samples to converge at this GBS in the MLPerf reference runs (mlperf-logging's RCP table): mean, range."""
-    records = rcp_records(USAGE, RULESET, BENCHMARK)
-    found = [r["samples to converge"] for r in records.values() if r["BS"] == gbs]
-    if not found:
-        sizes = ", ".join(str(s) for s in sorted(r["BS"] for r in records.values()))
+    samples = rcp_samples(gbs)
+    if not samples:
+        sizes = ", ".join(map(str, rcp_batch_sizes(USAGE, RULESET, BENCHMARK)))
         raise PlanError(
             f"GBS {gbs} has no reference convergence point: the {BENCHMARK} RCPs ({USAGE} {RULESET}) measured "
             f"samples to converge at GBS {sizes} only, so no time-to-train can be projected for {gbs}; choose one "
             "of them (configs/recipes/gbs<N>.yaml)"
         )
-    samples = found[0]
     return {
         "gbs": gbs,
         "rcp": f"{USAGE} {RULESET}",

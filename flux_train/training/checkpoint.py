@@ -69,8 +69,21 @@ def last_good(root: Path) -> str:
     )
 
 
+# free bytes left beside a failed save that mean it ran out of room (a write to a full disk fills it to the last block)
+FULL_BELOW = 1 << 20
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OS error under `exc`: itself, or the one torch's writer met (in its context: torch.save raises a
+    RuntimeError "[enforce fail at inline_container.cc] unexpected pos" over a failed write to a file object)."""
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
+
+
 def _brief(exc: BaseException) -> str:
     """An exception in a few words: the file it names, or its type and first line."""
+    exc = _os_error(exc) or exc
     if isinstance(exc, OSError) and exc.filename:
         return f"{exc.strerror}: {exc.filename}"
     lines = str(exc).strip().splitlines()
@@ -204,16 +217,29 @@ def remove_leftovers(root: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _write(obj, path: Path) -> None:
+    """torch.save through a file of ours: a failed write keeps its OS error (a path gets torch's own stream, which
+    loses it)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def _on_every_rank(what: Path, write: Callable[[], None], group=None) -> None:
     """This rank's part of a save; when it fails on any rank every rank raises (none is left waiting in the next
     collective), the main rank with the first failure named."""
     try:
         write()
         error = None
-    except OSError as exc:
-        error = _brief(exc)
     except CheckpointException as exc:  # DCP gathers the writers' failures and raises it on every rank
         error = _failure(exc)
+    except (OSError, RuntimeError) as exc:
+        if _os_error(exc) is None:  # not a failed write: a bug, with its traceback
+            raise
+        error = _brief(exc)
+    # torch's words for a full disk ("unexpected pos"; DCP passes a rank's failure on without the OS error) say
+    # nothing to a user: the free space says it
+    if error is not None and _free_bytes(what.parent) < FULL_BELOW:
+        error = f"the disk is full: no space left in {what.parent}; make room there"
     errors: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, error, group=group)
     failed = next((e for e in errors if e), None)
@@ -221,6 +247,13 @@ def _on_every_rank(what: Path, write: Callable[[], None], group=None) -> None:
         if dist.get_rank() == 0:
             shutil.rmtree(what.with_name(what.name + ".tmp"), ignore_errors=True)  # give the space back
         raise_on_every_rank(StorageError(f"writing checkpoint {what} failed ({failed})"), dist.get_rank() == 0)
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:  # a lost mount: not a full disk
+        return FULL_BELOW
 
 
 class Checkpointer:
@@ -254,7 +287,7 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
 
         _on_every_rank(final, start)  # a collective: the folder exists for every rank after it
-        _on_every_rank(final, lambda: torch.save(loader_state, tmp / f"loader_rank{rank}.pt"))
+        _on_every_rank(final, lambda: _write(loader_state, tmp / f"loader_rank{rank}.pt"))
         if self.async_save:
             future = dcp.async_save(
                 training.state_dict(), checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager
@@ -285,7 +318,7 @@ class Checkpointer:
     def _complete(self, tmp: Path, final: Path, progress: dict) -> None:
         def publish() -> None:
             if dist.get_rank() == 0:
-                torch.save(progress, tmp / PROGRESS)  # written last: its presence marks a complete checkpoint
+                _write(progress, tmp / PROGRESS)  # written last: its presence marks a complete checkpoint
                 shutil.rmtree(final, ignore_errors=True)
                 tmp.rename(final)
                 for old in list_checkpoints(self.root)[: -self.keep]:

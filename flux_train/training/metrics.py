@@ -1,16 +1,22 @@
-"""Training metrics: throughput, TFLOP/s, MFU, memory, data wait; a metrics line, a progress bar, TensorBoard."""
+"""Training metrics: throughput, TFLOP/s, MFU, memory, data wait; a metrics line, a progress bar with the time to
+the next eval and to where the reference converged, TensorBoard."""
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from flux_train.config import Config, eval_interval_steps
 from flux_train.errors import StorageError
 from flux_train.outputs.report import METRICS_FILE
+from flux_train.outputs.results import rcp_samples
 from flux_train.training.parallel import all_reduce_sum
 
 # dense bf16 peak per GPU, for MFU; the bench measures the achievable ceiling itself
@@ -24,6 +30,37 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
+def eta_goals(cfg: Config) -> list[tuple[int, str]]:
+    """The steps the progress bar gives the time to, in order: for flux-schnell at a global batch size the MLPerf
+    reference ran, the eval at which its runs converged on average and at the latest (the RCPs); the step cap."""
+    gbs, every, cap = cfg.train.global_batch_size, eval_interval_steps(cfg), cfg.train.max_steps
+    samples = rcp_samples(gbs) if cfg.model.flavor == "flux-schnell" else []
+    found = [("RCP mean", statistics.fmean(samples)), ("RCP max", max(samples))] if samples else []
+    points = [(math.ceil(n / gbs / every) * every, f"{name} ({n / 1e6:.2f} M samples)") for name, n in found]
+    return [(step, label) for step, label in points if step < cap] + [(cap, "step cap")]
+
+
+class Eta:
+    """Time to the next eval and to the next goal, from the last window's seconds per step and the last eval's
+    seconds (tqdm's own estimate runs to the step cap and leaves the evals out)."""
+
+    def __init__(self, eval_every: int | None, goals: list[tuple[int, str]]):
+        self.eval_every, self.goals = eval_every, goals
+        self.step_s: float | None = None  # measured at the first metrics line
+        self.eval_s: float | None = None  # measured at the first eval
+
+    def text(self, step: int) -> str:
+        if self.step_s is None:
+            return ""
+        every = self.eval_every
+        goal, label = next(((g, label) for g, label in self.goals if g > step), self.goals[-1])
+        evals = goal // every - step // every if every else 0
+        left = (goal - step) * self.step_s + evals * (self.eval_s or 0.0)
+        at_least = ">" if evals and self.eval_s is None else ""
+        parts = [f"next eval in {tqdm.format_interval((every - step % every) * self.step_s)}"] if every else []
+        return ", ".join([*parts, f"{label} in {at_least}{tqdm.format_interval(left)}"])
+
+
 class Metrics:
     """Accumulates step timings between log lines; rank 0 prints and writes JSONL/TensorBoard."""
 
@@ -32,7 +69,7 @@ class Metrics:
         out_dir: Path,
         device: torch.device,
         world_size: int,
-        max_steps: int,
+        eta: Eta,
         enabled: bool,
         progress_bar: bool,
         tensorboard: bool,
@@ -42,8 +79,9 @@ class Metrics:
         self.device, self.world = device, world_size
         self.enabled = enabled
         self.peak = peak_tflops(device)
-        self._t0 = time.perf_counter()
-        self._samples = 0
+        self.eta = eta
+        self._t0 = self._logged_at = time.perf_counter()
+        self._samples = self._steps = 0
         self._data_wait = 0.0
         # a resumed run continues the file (cut back to its checkpoint by run_folder.claim); a fresh one replaces it
         self.path = out_dir / METRICS_FILE
@@ -62,23 +100,36 @@ class Metrics:
                 )
         self.bar = None
         if enabled and progress_bar and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            # to the step cap; the time left is Eta's, in the postfix
+            self.bar = tqdm(
+                total=eta.goals[-1][0],
+                initial=start_step,
+                unit="step",
+                dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]",
+            )
             self.postfix: dict[str, str] = {}
 
     def add_step(self, samples: int, data_wait_s: float) -> None:
         self._samples += samples
+        self._steps += 1
         self._data_wait += data_wait_s
         if self.bar is not None:
             self.bar.update(1)
+            self._show()
+
+    def _show(self) -> None:
+        shown = [f"{k}={v}" for k, v in self.postfix.items()]
+        self.bar.set_postfix_str(", ".join(p for p in [*shown, self.eta.text(self.bar.n)] if p), refresh=False)
 
     def reset_window(self) -> None:
-        self._t0, self._samples, self._data_wait = time.perf_counter(), 0, 0.0
+        self._t0, self._samples, self._steps, self._data_wait = time.perf_counter(), 0, 0, 0.0
 
     def log(self, step: int, flops_per_sample: float, **scalars: float) -> dict:
         """Close the timing window, print the metrics line; scalars are already-synced floats."""
-        elapsed = max(time.perf_counter() - self._t0, 1e-9)
+        self._logged_at = time.perf_counter()
+        elapsed = max(self._logged_at - self._t0, 1e-9)
+        self.eta.step_s = elapsed / max(self._steps, 1)
         sps = self._samples / elapsed
         tflops = sps * flops_per_sample / 1e12 / self.world
         row = {
@@ -101,12 +152,15 @@ class Metrics:
         if not self.enabled:
             return
         text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+        if "val_loss" in row:  # an eval's row follows the metrics line of its step: the eval ran in between
+            self.eta.eval_s = time.perf_counter() - self._logged_at
         if self.bar is not None:
             self.bar.write(text)
             # the last training loss and, once there is one, the last val loss: an eval's row (no training loss)
             # keeps the training loss shown
             self.postfix |= {k: f"{row[k]:.4f}" for k in ("loss", "val_loss") if k in row}
-            self.bar.set_postfix(self.postfix)
+            self._show()
+            self.bar.refresh()
         else:
             print(text, flush=True)
 

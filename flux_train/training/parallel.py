@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from flux_train.config import ParallelConfig, TrainConfig, mesh_shape
+from flux_train.config import ConfigError, ParallelConfig, TrainConfig, mesh_shape
+from flux_train.errors import raise_on_every_rank
 from flux_train.model.flux import assign_weights, block_stacks
 from flux_train.training.ddp import DDP
 from flux_train.training.heartbeat import stragglers
@@ -39,11 +40,12 @@ class Dist:
         return self.rank == 0
 
 
-def pick_device(choice: str, local_rank: int) -> torch.device:
+def pick_device(choice: str, local_rank: int, is_main: bool) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no GPU is visible; use train.device=cpu or auto")
+    if not torch.cuda.is_available():  # before init_start: a bad input, one line for the run
+        error = ConfigError("train.device=cuda but no GPU is visible here; use train.device=cpu or auto")
+        raise_on_every_rank(error, is_main)
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
@@ -55,7 +57,7 @@ def init_distributed(pcfg: ParallelConfig, device_choice: str = "auto", flight_r
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    device = pick_device(device_choice, local_rank)
+    device = pick_device(device_choice, local_rank, rank == 0)
     backend = pcfg.backend if pcfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=pcfg.timeout_s)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from flux_train.config import Config, ConfigError, load_config
 from flux_train.errors import Parser, UserError, reports_user_errors
+from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on
 from flux_train.model.flux import build_model, count_params
 from flux_train.training.checkpoint import checkpoint_dir, checkpoint_disk_gb
 from flux_train.training.heartbeat import node_name
@@ -126,6 +127,15 @@ def check_inputs(cfg: Config, device: torch.device, world_size: int) -> None:
             )
     if cfg.perf.cuda_graphs is True and device.type != "cuda":
         raise ConfigError("perf.cuda_graphs needs a GPU; set perf.cuda_graphs=false on the CPU")
+    if cfg.perf.rmsnorm == "triton" and not kernels_run_on(device):
+        raise ConfigError(
+            f"perf.rmsnorm=triton needs a GPU and Triton, this run has {device.type}"
+            f"{'' if HAVE_TRITON else ' and no Triton'}; set perf.rmsnorm=auto or torch"
+        )
+    if cfg.data.source == "energon":
+        from flux_train.data.energon import dataset_files  # energon is needed only for real data
+
+        dataset_files(cfg)  # its description of itself against the model, before anything is built
     if device.type == "cpu":
         need = count_params(build_model(cfg.model)) * 16 * world_size  # weights, grads, AdamW, fp32
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

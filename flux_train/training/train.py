@@ -39,7 +39,7 @@ from flux_train.outputs.mllog import C, MLLogger
 from flux_train.training import checkpoint, preemption, preflight, run_folder
 from flux_train.training.evaluate import Evaluator
 from flux_train.training.heartbeat import ExitDeadline, Heartbeat
-from flux_train.training.metrics import LogWindow, Metrics
+from flux_train.training.metrics import Eta, LogWindow, Metrics, eta_goals
 from flux_train.training.optim import lr_at
 from flux_train.training.parallel import (
     build_training,
@@ -269,7 +269,7 @@ class Trainer:
             self.out_dir,
             self.device,
             self.dist.world_size,
-            t.max_steps,
+            Eta(eval_interval_steps(cfg) if cfg.eval.enabled else None, eta_goals(cfg)),
             self.dist.is_main,
             cfg.logging.progress_bar,
             cfg.logging.tensorboard,
@@ -282,6 +282,7 @@ class Trainer:
         metrics.close()
         if status != Status.PREEMPTED:  # a preempted run continues in the same log after the requeue
             self.mllog.run_stop(C.SUCCESS if status == Status.SUCCESS else C.ABORTED, self.state.samples)
+        self._save_final(status)
         if status == Status.SUCCESS:  # the successful eval's report and samples, after run_stop
             self.evaluator.after(self.state.step)
         else:
@@ -294,6 +295,17 @@ class Trainer:
         }[status]
         self._say(f"finished at step {self.state.step}, status {status.value} ({why})")
         return status
+
+    def _save_final(self, status: Status) -> None:
+        """The state a run ended with (checkpoint.final), after run_stop (off the clock), complete when this returns. A
+        preempted run has just saved it; a diverged one keeps its last good checkpoint, not the non-finite state."""
+        if not self.cfg.checkpoint.final or status not in (Status.SUCCESS, Status.ABORTED):
+            return
+        saved = checkpoint.list_checkpoints(self.checkpointer.root)
+        if saved and saved[-1].name == f"step_{self.state.step:08d}":  # the step cap was a checkpoint step
+            return
+        self.save_checkpoint()
+        self.checkpointer.close()
 
     def _train(self, metrics: Metrics) -> Status:
         """Blocks of steps, each between MLLOG's block_start and block_stop, until one ends the run."""
