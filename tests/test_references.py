@@ -18,12 +18,21 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 SECTION = re.compile(r'(README(?:\.md)?|docs/[\w-]+\.md),? \(?"([^"]+)"')
 
 
-def tracked_files() -> list[Path]:
+def tracked_names() -> list[str] | None:
+    """The repository's files (git ls-files), or None outside a git checkout."""
     try:
-        names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-        files = [ROOT / n for n in names.splitlines()]
-    except (OSError, subprocess.CalledProcessError):  # not a git checkout: every file
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+        return listed.stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def tracked_files() -> list[Path]:
+    names = tracked_names()
+    if names is None:  # not a git checkout: every file
         files = [p for p in ROOT.rglob("*") if ".git" not in p.parts]
+    else:
+        files = [ROOT / n for n in names]
     return [f for f in files if f.suffix in TEXT and f.is_file() and f.name != Path(__file__).name]
 
 
@@ -33,6 +42,19 @@ def headings(doc: Path) -> list[str]:
 
 FILES = tracked_files()
 DOCUMENTS = {f.name for f in FILES if f.suffix == ".md"}
+
+
+# what the repository's top level holds: a file a command's output was redirected into (err.txt) or a plot it wrote
+# there is debris, to be removed (or ignored in .gitignore), not committed
+FILES_AT_THE_TOP = {".gitignore", "README.md", "pyproject.toml"}
+FOLDERS_AT_THE_TOP = {".ci", "configs", "dataprep", "docs", "flux_train", "slurm", "tests"}
+
+
+def test_the_top_level_holds_only_the_projects_own_entries():
+    names = tracked_names()
+    if names is None:
+        pytest.skip("not a git checkout: no list of the repository's files")
+    assert sorted({n.split("/")[0] for n in names} - FILES_AT_THE_TOP - FOLDERS_AT_THE_TOP) == []
 
 
 def test_the_walk_sees_the_repository():
