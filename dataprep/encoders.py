@@ -1,6 +1,6 @@
 """The frozen encoders of the reference, from local paths only: Flux VAE (diffusers AutoencoderKL) posterior
-mean/logvar, T5 last hidden state (padded/truncated to 256 tokens), CLIP pooled output (77 tokens); and the
-command-line flags that name them (dataprep encode/empty-encodings, flux_train.training.sample)."""
+mean/logvar, T5 last hidden state (padded/truncated to 256 tokens), CLIP pooled output (77 tokens). The flags that
+name them are dataprep.cli's (add_encoder_arguments)."""
 
 from __future__ import annotations
 
@@ -13,35 +13,6 @@ import torch
 from dataprep.format import DataprepError
 
 T5_TOKENS, CLIP_TOKENS = 256, 77
-
-
-def add_encoder_arguments(p: argparse.ArgumentParser) -> None:
-    """--t5/--clip and their tokenizers, --device, --dtype."""
-    p.add_argument(
-        "--t5",
-        type=Path,
-        required=True,
-        help="local folder of the T5-v1.1-XXL encoder weights (FLUX.1-schnell: text_encoder_2/)",
-    )
-    p.add_argument(
-        "--t5-tokenizer", type=Path, help="its tokenizer folder (default: --t5; FLUX.1-schnell: tokenizer_2/)"
-    )
-    p.add_argument(
-        "--clip",
-        type=Path,
-        required=True,
-        help="local folder of the CLIP-L text encoder (FLUX.1-schnell: text_encoder/)",
-    )
-    p.add_argument(
-        "--clip-tokenizer", type=Path, help="its tokenizer folder (default: --clip; FLUX.1-schnell: tokenizer/)"
-    )
-    p.add_argument("--device", default="auto", help="auto (GPU if visible), cpu, cuda, cuda:N")
-    p.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float32"),
-        default=None,
-        help="compute dtype (default: bfloat16 on a GPU, float32 on the CPU)",
-    )
 
 
 def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:

@@ -16,11 +16,13 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import torch
 import yaml
+
+if TYPE_CHECKING:  # the functions that make tensors import torch: the command lines read Shape and the errors first
+    import torch
 
 PARTS = ("t5", "clip", "mean", "logvar")
 T5_DIM, CLIP_DIM, LATENT_CHANNELS = 4096, 768, 16
@@ -81,6 +83,8 @@ def key_name(index: int) -> str:
 
 def encode_bf16(tensor: torch.Tensor) -> bytes:
     """bf16 tensor -> np.save bytes of its uint16 view (the MLCommons encoding)."""
+    import torch
+
     buf = io.BytesIO()
     np.save(buf, tensor.detach().cpu().to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16))
     return buf.getvalue()
@@ -91,6 +95,8 @@ def decode_bf16(raw: bytes) -> torch.Tensor:
     array = np.load(io.BytesIO(raw), allow_pickle=False)
     if array.dtype != np.uint16:
         raise ValueError(f"dtype {array.dtype}, expected uint16 (bf16 bits)")
+    import torch
+
     return torch.from_numpy(array).view(torch.bfloat16)
 
 
@@ -215,6 +221,8 @@ def write_empty_encodings(folder: Path, t5: torch.Tensor, clip: torch.Tensor) ->
 def load_empty_encodings(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """t5_empty.npy [1,L,4096] and clip_empty.npy [1,768] -> bf16. They hold float16 values (not bf16 bits like
     the dataset), so they are converted by value: never .view() them."""
+    import torch
+
     out = []
     for name, ndim in ((EMPTY_T5, 3), (EMPTY_CLIP, 2)):
         file = folder / name

@@ -27,6 +27,7 @@ EVAL_EVERY_SAMPLES = 262_144
 TARGET_VAL_LOSS = 0.586
 TRAIN_SAMPLES = 1_099_776
 EVAL_SAMPLES = 29_696
+IMAGE_SIZE = 256  # the task's images: 256x256 (32x32 latents)
 
 
 class ConfigError(UserError, ValueError):
@@ -394,6 +395,12 @@ def apply_override(tree: dict, assignment: str) -> dict:
     try:
         value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError:
+        quote = text.lstrip()[:1]
+        if quote in ("'", '"'):  # YAML reads it as a quoted string: taken verbatim, the stray quote would stay in
+            raise ConfigError(
+                f"--set {assignment!r}: the value starts with {quote} but is not a quoted string (a quote left "
+                "open?); close the quote, or leave the quotes out (the shell's quotes around the whole --set suffice)"
+            ) from None
         value = text
     except ConfigError as exc:
         raise ConfigError(f"--set '{assignment}': {exc}") from None
@@ -568,8 +575,9 @@ def _values(cfg: Config) -> dict[str, Any]:
     }
 
 
-def validate(cfg: Config, world_size: int | None = None) -> Config:
-    """Ranges, empty strings and cross-field checks; world_size adds the batch divisibility check once known."""
+def validate(cfg: Config, world_size: int | None = None, gpus_per_node: int | None = None) -> Config:
+    """Ranges, empty strings and cross-field checks; world_size adds the batch divisibility check once known, and
+    gpus_per_node (a Slurm job's) lets its message name the node counts that divide the batch."""
     t, m = cfg.train, cfg.model
 
     def need(ok: bool, msg: str) -> None:
@@ -631,15 +639,32 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         not cfg.eval.sample_prompts or cfg.eval.sample_weights,
         "eval.sample_prompts needs eval.sample_weights: a local FLUX.1-schnell folder with vae/ and the text encoders",
     )
-    if world_size is not None:
-        per_step = t.micro_batch_size * world_size
-        need(
-            t.global_batch_size % per_step == 0,
-            f"train.global_batch_size {t.global_batch_size} is not divisible by train.micro_batch_size "
-            f"{t.micro_batch_size} x data-parallel size {world_size} = {per_step}; "
-            f"choose a multiple of {per_step} or change micro_batch_size",
-        )
+    if world_size is not None and t.global_batch_size % (t.micro_batch_size * world_size):
+        raise ConfigError(_batch_split(t, world_size, gpus_per_node))
     return cfg
+
+
+def _batch_split(t: TrainConfig, world_size: int, gpus_per_node: int | None) -> str:
+    """Why the global batch does not split over the ranks, and what would split it."""
+    per_step = t.micro_batch_size * world_size
+    why = (
+        f"train.global_batch_size {t.global_batch_size} is not divisible by train.micro_batch_size "
+        f"{t.micro_batch_size} x data-parallel size {world_size} = {per_step}"
+    )
+    if gpus_per_node is None:  # the ranks are given (torchrun): the batch settings are what can change
+        return f"{why}; set train.global_batch_size to a multiple of {per_step} or change train.micro_batch_size"
+    per_node = t.micro_batch_size * gpus_per_node
+    steps = t.global_batch_size // per_node if t.global_batch_size % per_node == 0 else 0
+    nodes = [str(n) for n in range(1, steps + 1) if steps % n == 0]
+    if not nodes:
+        return (
+            f"{why}; no node count splits it at micro-batch {t.micro_batch_size} with {gpus_per_node} GPUs per "
+            "node: change train.micro_batch_size or slurm.gpus_per_node"
+        )
+    return (
+        f"{why}; the node counts that split it at micro-batch {t.micro_batch_size} with {gpus_per_node} GPUs per "
+        f"node: {', '.join(nodes)} (--nodes, slurm.nodes); or change train.micro_batch_size"
+    )
 
 
 def mesh_shape(pcfg: ParallelConfig, world: int, local_world: int) -> tuple[int, int]:
@@ -685,6 +710,11 @@ def graphs_on(cfg: Config, device_type: str) -> bool:
         and cfg.perf.warmup_iters >= 1
         and not cfg.train.inject_nan_at_step
     )
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    """The run's checkpoint folder: checkpoint.dir, by default <logging.out_dir>/checkpoints."""
+    return Path(cfg.checkpoint.dir or Path(cfg.logging.out_dir) / "checkpoints")
 
 
 def accumulation_steps(cfg: Config, world_size: int) -> int:

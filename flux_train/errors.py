@@ -63,9 +63,20 @@ class Parser(argparse.ArgumentParser):
             dest="overrides",
             action="append",
             default=[],
+            type=assignment,
             metavar="SECTION.KEY=VALUE",
             help="override one config value; repeatable",
         )
+
+
+def assignment(text: str) -> str:
+    """argparse type of --set: KEY=VALUE in one word. `--set train.lr 0.5` would otherwise end in argparse's
+    "unrecognized arguments: 0.5", which does not say what the form is."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not SECTION.KEY=VALUE: give the key and its value as one word, e.g. --set {text}=VALUE"
+        )
+    return text
 
 
 def positive_int(text: str) -> int:

@@ -105,6 +105,7 @@ def test_print_config_shows_defaults_and_overrides_resolved(capsys):
 # bad input: one line on stderr naming it and the fix, exit 2, no traceback; nothing written, no MLLOG run started
 
 TRAIN, SUBMIT, BENCH = "python -m flux_train.train", "python -m flux_train.submit", "python -m flux_train.bench"
+PLAN = "python -m flux_train.plan"
 RESULTS, CHECKPOINT, DATAPREP = "python -m flux_train.results", "python -m flux_train.checkpoint", "python -m dataprep"
 DEBUG = ["--config", "{root}/configs/debug.yaml", "--set", "logging.out_dir={tmp}/out"]
 SYSTEM = ["--config", "{root}/configs/systems/cpu_02x02.yaml"]
@@ -118,7 +119,25 @@ BAD_INPUTS = [
     ("train-no-such-config", TRAIN, [*DEBUG, "--config", "{tmp}/missing.yaml"], "{tmp}/missing.yaml; pass --config"),
     ("train-config-not-a-mapping", TRAIN, [*DEBUG, "--config", "{tmp}/notes.txt"], "{tmp}/notes.txt: top level"),
     ("train-unknown-flag", TRAIN, [*DEBUG, "--bogus"], "unrecognized arguments: --bogus"),
-    ("train-set-without-value", TRAIN, [*DEBUG, "--set", "train.lr"], "--set 'train.lr': expected section.key=value"),
+    (
+        "train-set-without-value",
+        TRAIN,
+        [*DEBUG, "--set", "train.lr"],
+        "argument --set: 'train.lr' is not SECTION.KEY=VALUE: give the key and its value as one word, e.g. --set "
+        "train.lr=VALUE",
+    ),
+    (
+        "train-set-value-after-a-space",
+        TRAIN,
+        [*DEBUG, "--set", "train.lr", "0.5"],
+        "'train.lr' is not SECTION.KEY=VALUE",
+    ),
+    (
+        "train-set-quote-left-open",
+        TRAIN,
+        [*DEBUG, "--set", 'logging.out_dir="/x y'],
+        """--set 'logging.out_dir="/x y': the value starts with " but is not a quoted string (a quote left open?)""",
+    ),
     ("train-unknown-section", TRAIN, [*DEBUG, "--set", "nosuchsection.x=1"], "unknown key 'nosuchsection'"),
     ("train-unknown-key", TRAIN, [*DEBUG, "--set", "train.nosuchkey=1"], "unknown key 'train.nosuchkey'"),
     ("train-not-a-number", TRAIN, [*DEBUG, "--set", "train.lr=abc"], "train.lr: expected a number"),
@@ -170,6 +189,12 @@ BAD_INPUTS = [
     ("submit-dry-run-and-local", SUBMIT, [*SYSTEM, "--dry-run", "--local"], "argument --local: not allowed with"),
     ("submit-runtime-without-image", SUBMIT, [*SYSTEM, "--runtime", "podman"], "podman needs an image"),
     ("submit-mount-without-source", SUBMIT, [*SYSTEM, "--mounts", ":/data"], "container mount ':/data'"),
+    (
+        "submit-nodes-do-not-split-the-batch",
+        SUBMIT,
+        [*SYSTEM, "--nodes", "3"],
+        "the node counts that split it at micro-batch 2 with 2 GPUs per node: 1, 2 (--nodes, slurm.nodes)",
+    ),
     ("submit-mesh-does-not-fit", SUBMIT, [*SYSTEM, "--set", "parallel.dp_shard=3"], "parallel.dp_shard=3 does not"),
     (
         "submit-no-slurm-controller",
@@ -187,6 +212,13 @@ BAD_INPUTS = [
         "--rows: unknown row 'fastest'",
     ),
     ("bench-zero-steps", BENCH, ["--steps", "0"], "argument --steps: must be >= 1"),
+    (
+        "plan-gpu-without-figures",
+        PLAN,
+        ["--config", "{root}/configs/systems/H200_01x08.yaml", "--gpu", "B200"],
+        "plan: --gpu B200: no figures for this GPU kind; give one of the kinds flux_train/tools/measured.yaml has "
+        "figures for: H200, H100, MI325X, MI355X",
+    ),
     ("results-no-such-run", RESULTS, ["{tmp}/nowhere"], "{tmp}/nowhere does not exist"),
     ("results-no-log", RESULTS, ["{tmp}/empty"], "no readable MLLOG in {tmp}/empty"),
     ("results-out-is-a-file", RESULTS, ["{tmp}/empty", "--out", "{tmp}/notes.txt"], "--out {tmp}/notes.txt is a file"),
@@ -333,3 +365,27 @@ def test_the_real_entry_points_report_bad_input_the_same(tmp_path):
     for id_, (proc, expected) in procs.items():
         err = proc.communicate(timeout=120)[1].strip()
         assert proc.returncode == 2 and err.splitlines() == [err] and expected in err, (id_, err)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the entry points as users run them, each in a fresh interpreter (what it imports is the point)
+
+
+def python_m(command: str, argv: list[str], before: str = "", after: str = "") -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGV` from the repository, with `before` run first in the same interpreter and `after` once
+    the command has ended."""
+    module = command.split()[-1]
+    code = f"import runpy, sys\n{before}\ntry:\n    runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+    code += f"finally:\n    {after or 'pass'}\n"
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_answers_before_torch_is_imported(command):
+    """--help in a fraction of a second: the command module parses with flux_train.cli (dataprep.cli) before the
+    module that owns the command, and torch with it (seconds), is imported. Checked by what was imported, not a clock."""
+    done = python_m(command, ["--help"], after="print('torch imported:', 'torch' in sys.modules)")
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
+    assert done.stdout.splitlines()[-1] == "torch imported: False"

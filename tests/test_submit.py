@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from run_outputs import set_flags
 
+from flux_train.cli import time_minutes
 from flux_train.cluster import container
 from flux_train.cluster import submit as sub
 from flux_train.training import preemption
@@ -632,7 +633,7 @@ def test_no_slurm_on_path(capsys, tmp_path, monkeypatch):
     "text,minutes", [("90", 90), ("1:30:00", 90), ("2-00", 2880), ("1-0:0:30", 1441), ("10:30", 11)]
 )
 def test_time_formats(text, minutes):
-    assert sub.time_minutes(text) == minutes
+    assert time_minutes(text) == minutes
 
 
 @pytest.mark.parametrize("system", sorted(p.stem for p in Path("configs/systems").glob("*.yaml")))

@@ -31,7 +31,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from flux_train.config import Config, ConfigError, load_config, validate
+from flux_train.config import Config, ConfigError, checkpoint_dir, load_config, validate
 from flux_train.errors import Parser, reports_user_errors
 from flux_train.masking import mask_env
 from flux_train.training.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
@@ -358,8 +358,6 @@ def stopped_for_requeue(err) -> bool:
 
 
 def request_requeue(cfg: Config, node: Node) -> str:
-    from flux_train.training.checkpoint import checkpoint_dir
-
     resume = cfg.checkpoint.resume
     if resume == "none":
         after = "checkpoint.resume=none: the next start begins again at step 0"
@@ -395,7 +393,7 @@ def run_node(cfg: Config, local: bool = False) -> str:
 
     node = Node.detect(local)
     nproc = cfg.slurm.gpus_per_node
-    validate(cfg, world_size=node.count * nproc)
+    validate(cfg, world_size=node.count * nproc, gpus_per_node=nproc)
     local_dir = local_dir_for(cfg, node)
     try:
         local_dir.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,6 @@ import contextlib
 import copy
 import functools
 import io
-import math
 import os
 import re
 import reprlib
@@ -34,29 +33,26 @@ import shutil
 import signal
 import subprocess
 import sys
-import typing
 from pathlib import Path
 
 from dataprep.lifetime import die_with_parent
+from flux_train.cli import submit_parser
 from flux_train.cluster import container
 from flux_train.cluster.launch import LOCAL_JOB_ID_ENV, NodeAgent, env_vars, write_config
 from flux_train.config import (
-    CONFIG_DIR,
     Config,
     ContainerConfig,
     accumulation_steps,
+    checkpoint_dir,
     eval_interval_steps,
     load_config,
     mesh_shape,
     validate,
 )
-from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
+from flux_train.errors import UserError, reports_user_errors
 from flux_train.masking import mask_text, masked
 from flux_train.private_apis import sbatch_script
 from flux_train.training import preemption
-from flux_train.training.checkpoint import checkpoint_dir
-
-RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
 
 
 class SubmitError(UserError):
@@ -178,69 +174,6 @@ def check_directives(cfg: Config) -> None:
 # command line
 
 
-def time_minutes(text: str) -> int:
-    """Slurm's --time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) -> whole minutes, rounded up."""
-    try:
-        days, _, clock = text.rpartition("-")
-        parts = [int(p) for p in clock.split(":")]
-        if min(parts) < 0 or len(parts) > 3:
-            raise ValueError
-        if days:
-            h, m, s = parts + [0] * (3 - len(parts))
-        elif len(parts) == 3:
-            h, m, s = parts
-        else:
-            h, m, s = 0, parts[0], parts[1] if len(parts) == 2 else 0
-        seconds = int(days or 0) * 86400 + h * 3600 + m * 60 + s
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected minutes, H:MM:SS or D-HH:MM:SS, got {text!r}") from None
-    if seconds < 60:
-        raise argparse.ArgumentTypeError(f"must be at least 1 minute, got {text!r}")
-    return math.ceil(seconds / 60)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    systems = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "systems").glob("*.yaml")))
-    p = Parser(prog="python -m flux_train.submit", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help=f"system config, e.g. configs/systems/<name>.yaml ({systems})")
-    p.add_overrides()
-    p.add_argument("--nodes", type=positive_int, help="slurm.nodes")
-    p.add_argument("--gpus-per-node", type=positive_int, help="slurm.gpus_per_node (workers per node)")
-    p.add_argument("--partition", help="slurm.partition")
-    p.add_argument("--account", help="slurm.account")
-    p.add_argument("--qos", help="slurm.qos")
-    p.add_argument("--time", type=time_minutes, help="slurm.time_min, as minutes or [D-]H:MM:SS")
-    p.add_argument("--job-name", help="slurm.job_name")
-    p.add_argument(
-        "--exclude",
-        metavar="HOSTS",
-        help="slurm.exclude: nodes Slurm must not use, e.g. a node the "
-        "pre-flight named (Slurm's hostlist syntax: n[3,7])",
-    )
-    p.add_argument(
-        "--runs",
-        type=positive_int,
-        default=1,
-        help="a campaign of N runs (a job array): seeds train.seed+i, folders <logging.out_dir>/run_<i>",
-    )
-    p.add_argument(
-        "--skip-preflight",
-        action="store_true",
-        help="start training without the per-node checks and the bandwidth probe (preflight.enabled)",
-    )
-    p.add_argument("--runtime", choices=RUNTIMES, help="container.runtime")
-    p.add_argument("--container-image", help="container.image")
-    p.add_argument(
-        "--mounts",
-        type=lambda text: [m for m in text.split(",") if m],
-        help="container.mounts, comma-separated SRC[:DST[:ro]] (replaces the config's list)",
-    )
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--dry-run", action="store_true", help="print the sbatch script and per-node command only")
-    mode.add_argument("--local", action="store_true", help="run the per-node agent on this machine, no Slurm")
-    return p.parse_args(argv)
-
-
 FLAGS = {
     "nodes": "slurm.nodes",
     "gpus_per_node": "slurm.gpus_per_node",
@@ -269,7 +202,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
     elif not args.local:
         cfg.preflight.enabled = True  # a Slurm run checks its nodes before the clock starts
     world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
-    validate(cfg, world_size=world)
+    validate(cfg, world_size=world, gpus_per_node=cfg.slurm.gpus_per_node)
     mesh_shape(cfg.parallel, world, cfg.slurm.gpus_per_node)  # a mesh that does not fit stops here, not in the job
     s, c = cfg.slurm, cfg.container
     if not 0 < s.signal_delay_s < s.time_min * 60:
@@ -474,7 +407,7 @@ def submit(cfg: Config, runs: int) -> None:
 
 @reports_user_errors
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = submit_parser().parse_args(argv)
     cfg = resolve_config(args)
     from flux_train.tools.plan import submit_line  # imports torch (the model's size): only once the config is good
 

@@ -8,7 +8,6 @@ of val loss against samples. Exit status 1 if a log is unreadable or fails compl
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -25,8 +24,9 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from mlperf_logging.benchmark_meta import get_result_file_counts
 
+from flux_train.cli import results_parser
 from flux_train.config import TARGET_VAL_LOSS
-from flux_train.errors import Parser, UserError, reports_user_errors
+from flux_train.errors import UserError, reports_user_errors
 from flux_train.outputs.mllog import read_records
 from flux_train.outputs.report import draw_val_loss
 from flux_train.private_apis import compliance_check, rcp_batch_sizes, rcp_check, rcp_records
@@ -388,22 +388,9 @@ def print_summary(runs: list[Run], score: Score, samples: Samples, rcp: Rcp, plo
     print(f"plot: {plot}")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog="python -m flux_train.results", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "runs",
-        nargs="+",
-        metavar="RUN_DIR",
-        help=f"a run's out_dir (with {MLLOG_FILE}), a folder of result_*.txt, or a log file",
-    )
-    p.add_argument("--out", type=Path, help=f"where {PLOT_FILE} goes (default: the one folder given, else .)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    return p.parse_args(argv)
-
-
 @reports_user_errors
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = results_parser().parse_args(argv)
     if args.out and args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file; give the folder that {PLOT_FILE} goes into")
     runs = [summarize_run(name, log) for name, log in find_logs(args.runs)]

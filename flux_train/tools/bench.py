@@ -35,31 +35,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from flux_train.cli import BENCH_ROWS, bench_parser
 from flux_train.config import Config, graphs_on, load_config
 from flux_train.data.sources import synthetic_samples
-from flux_train.errors import Parser, UserError, positive_int, reports_user_errors
+from flux_train.errors import UserError, reports_user_errors
 from flux_train.kernels.fp8 import FP8Scaling
 from flux_train.model import flow
 from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.model.flux import build_model, flops_per_sample, init_weights, is_token_linear
 from flux_train.tools.bench_table import kernel_breakdown, precision_of, print_table, read_rows
 from flux_train.training.perf import CudaGraph, prepare_model, select_attention_backend, torch_default_attention
-
-FWDBWD_ROWS = (
-    "stock-eager",
-    "stock",
-    "ours",
-    "ours-fp8-delayed",
-    "ours-fp8-tensorwise",
-    "ours-fp8-rowwise",
-    "torchao-fp8-tensorwise",
-    "torchao-fp8-rowwise",
-    "ours-no-graphs",
-    "ours-no-compile",
-    "ours-torch-rmsnorm",
-)
-STEP_ROWS = ("stock", "ours")
-CAST_ROWS = ("ours-fp8-delayed", "ours-fp8-tensorwise")
 
 
 def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
@@ -470,67 +455,13 @@ def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, tuple | None]:
 
 @reports_user_errors
 def main(argv=None) -> int:
-    p = Parser(prog="python -m flux_train.bench", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--config",
-        default="configs/bench.yaml",
-        help="the run config whose model and perf settings are measured (default: configs/bench.yaml)",
-    )
-    p.add_overrides()
-    p.add_argument(
-        "--mode",
-        choices=("fwdbwd", "step", "casts"),
-        default="fwdbwd",
-        help="fwdbwd: one GPU, forward+backward only; step: the whole training step under torchrun; casts: the "
-        "FP8 cast kernel alone at every operand shape of a step, against its byte floor",
-    )
-    p.add_argument(
-        "--rows",
-        default=None,
-        help=f"comma-separated rows; fwdbwd: {', '.join(FWDBWD_ROWS)} (default stock,ours); "
-        f"step: {', '.join(STEP_ROWS)} (default stock,ours); casts: {', '.join(CAST_ROWS)}",
-    )
-    p.add_argument(
-        "--batch", type=positive_int, default=16, help="fwdbwd batch (step mode uses train.micro_batch_size)"
-    )
-    p.add_argument("--text-len", type=positive_int, default=256, help="T5 tokens per sample (default 256)")
-    p.add_argument("--latent", type=positive_int, default=32, help="latent side (32 = 256x256 images)")
-    p.add_argument(
-        "--steps",
-        type=positive_int,
-        default=10,
-        help="timed steps per row, run back to back (the mean step is reported)",
-    )
-    p.add_argument(
-        "--accum",
-        type=positive_int,
-        default=1,
-        help="step mode: micro-batches per optimizer step for the ours row (the stock step has none)",
-    )
-    p.add_argument("--profile", action="store_true", help="add the GPU time per kernel kind to each row")
-    p.add_argument(
-        "--checkpoint",
-        default=None,
-        metavar="DIR",
-        help="step mode: also time a checkpoint save (blocking and async) and load of the trainer's state "
-        "in DIR (removed after)",
-    )
-    p.add_argument(
-        "--same-process",
-        action="store_true",
-        help="fwdbwd/casts: measure every row in this process, each after the other's memory and compile state "
-        "(by default each row runs in a process of its own, so that one that crashes leaves the others)",
-    )
-    p.add_argument("--json", default=None, help="append each row as a JSON line to this file")
-    p.add_argument("--table", default=None, metavar="FILE", help="print the table of the rows in FILE and exit")
-    p.add_argument("--out-dir", default="runs/bench", help="the trainer's run folder in step mode")
-    args = p.parse_args(argv)
+    args = bench_parser().parse_args(argv)
     if args.table:
         print_table(read_rows(args.table))
         return 0
     cfg = load_config(args.config, args.overrides)
-    rows = (args.rows or (",".join(CAST_ROWS) if args.mode == "casts" else "stock,ours")).split(",")
-    known = {"fwdbwd": FWDBWD_ROWS, "step": STEP_ROWS, "casts": CAST_ROWS}[args.mode]
+    known = BENCH_ROWS[args.mode]
+    rows = (args.rows or (",".join(known) if args.mode == "casts" else "stock,ours")).split(",")
     unknown = [r for r in rows if r not in known]
     if unknown:
         raise UserError(f"--rows: unknown row '{unknown[0]}' for --mode {args.mode}; choose from {', '.join(known)}")

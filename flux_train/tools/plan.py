@@ -37,7 +37,9 @@ from pathlib import Path
 import torch
 import yaml
 
+from flux_train.cli import plan_parser
 from flux_train.config import (
+    CONFIG_DIR,
     EVAL_SAMPLES,
     Config,
     accumulation_steps,
@@ -45,7 +47,7 @@ from flux_train.config import (
     load_config,
     mesh_shape,
 )
-from flux_train.errors import Parser, UserError, positive_int, positive_number, reports_user_errors
+from flux_train.errors import UserError, reports_user_errors
 from flux_train.model.flux import flops_per_sample, param_count
 from flux_train.outputs.results import BENCHMARK, RULESET, USAGE, rcp_samples
 from flux_train.private_apis import rcp_batch_sizes
@@ -668,72 +670,22 @@ def plot(plans: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def node_counts(text: str) -> list[int]:
-    """argparse type: N or a range A-B."""
-    first, _, last = text.partition("-")
-    low, high = positive_int(first), positive_int(last or first)
-    if high < low:
-        raise ValueError
-    return list(range(low, high + 1))
-
-
 @reports_user_errors
 def main(argv=None) -> int:
-    p = Parser(
-        prog="python -m flux_train.plan",
-        description="What a run will take before it is spent: memory per GPU and whether it fits, step time, "
-        "time-to-train from the MLPerf reference convergence points, and checkpoint disk, from measured figures.",
-    )
-    p.add_argument("--config", required=True, help="the run's config, e.g. configs/systems/H200_01x08.yaml")
-    p.add_overrides()
-    p.add_argument(
-        "--nodes", nargs="+", type=node_counts, help="node counts: N, several, or a range A-B (default slurm.nodes)"
-    )
-    p.add_argument("--gpus-per-node", type=positive_int, help="slurm.gpus_per_node")
-    p.add_argument("--gpu", help=f"the GPU kind, a key of {FIGURES_FILE.name} (default preflight.gpu_name)")
-    p.add_argument(
-        "--measured",
-        metavar="ROWS",
-        help="bench rows (python -m flux_train.bench --json) of this GPU kind, used ahead of the table's",
-    )
-    p.add_argument(
-        "--intra-gbps",
-        type=positive_number,
-        help="stated all-reduce bus bandwidth within a node, GB/s (the pre-flight probe on one node)",
-    )
-    p.add_argument(
-        "--inter-gbps",
-        type=positive_number,
-        help="stated all-reduce bus bandwidth across nodes, GB/s (the pre-flight probe on several)",
-    )
-    p.add_argument(
-        "--rate",
-        type=positive_number,
-        help="a stated training rate in samples/s per GPU (e.g. a published result) instead of the projected step",
-    )
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="project every measured step row of the GPU kind from the other rows, against its measurement",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument(
-        "--png",
-        default="plan.png",
-        help="the plot of time-to-train and samples/s per GPU against nodes (default ./plan.png)",
-    )
-    args = p.parse_args(argv)
+    args = plan_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if args.gpus_per_node:
         cfg.slurm.gpus_per_node = args.gpus_per_node
     kind = args.gpu or cfg.preflight.gpu_name
+    table = FIGURES_FILE.relative_to(CONFIG_DIR.parent)
+    kinds = f"the kinds {table} has figures for: {', '.join(yaml.safe_load(FIGURES_FILE.read_text()))}"
     if not kind:
-        raise PlanError(f"name the GPU kind: --gpu KIND or preflight.gpu_name (the kinds in {FIGURES_FILE.name}: "
-                        f"{', '.join(yaml.safe_load(FIGURES_FILE.read_text()))})")  # fmt: skip
+        raise PlanError(f"name the GPU kind: --gpu KIND or preflight.gpu_name ({kinds})")
     stated = {"intra_node_busbw_gbps": args.intra_gbps, "inter_node_busbw_gbps": args.inter_gbps, "rate": args.rate}
     figs = Figures(kind, args.measured, stated)
-    if not figs.known:
-        print(f"plan: {kind} has no entry in {FIGURES_FILE.name}: nothing measured for it", file=sys.stderr)
+    if not figs.known:  # not even its memory: every column would be empty
+        given = f"--gpu {kind}" if args.gpu else f"preflight.gpu_name {kind}"
+        raise PlanError(f"{given}: no figures for this GPU kind; give one of {kinds} (or add the kind's figures there)")
     if args.check:
         results = check(cfg, figs)
         print(json.dumps(results, indent=1)) if args.json else print_check(results)

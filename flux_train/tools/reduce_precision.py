@@ -29,9 +29,9 @@ import time
 import torch
 from torch import nn
 
+from flux_train.cli import reduce_precision_parser
 from flux_train.config import CONFIG_DIR, TrainConfig, load_config
 from flux_train.data.sources import synthetic_samples
-from flux_train.errors import Parser
 from flux_train.model import flow
 from flux_train.model.flux import build_model, init_rule, materialize
 
@@ -183,15 +183,7 @@ def element_sample(params: list[torch.Tensor], keep: int, seed: int):
 
 
 def main(argv=None) -> int:
-    parser = Parser(
-        prog="python -m flux_train.reduce_precision",
-        description="How much a bf16 gradient sum loses against the exact sum, on flux-schnell-wide gradients.",
-    )
-    parser.add_argument("--ranks", type=int, default=64, help="distinct micro-batches (rank gradients) to compute")
-    parser.add_argument("--batch", type=int, default=1, help="samples per rank's micro-batch")
-    parser.add_argument("--keep", type=int, default=1 << 18, help="elements measured per tensor (at most)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights and the micro-batches")
-    args = parser.parse_args(argv)
+    args = reduce_precision_parser().parse_args(argv)
     model = build(args.seed)
     picks, per_tensor = element_sample(list(model.parameters()), args.keep, args.seed)
     start = time.perf_counter()

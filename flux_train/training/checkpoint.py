@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from flux_train.config import ConfigError, ModelConfig
-from flux_train.errors import Parser, StorageError, UserError, raise_on_every_rank, reports_user_errors
+from flux_train.config import ConfigError, ModelConfig, checkpoint_dir
+from flux_train.errors import StorageError, UserError, raise_on_every_rank, reports_user_errors
 from flux_train.training.train_state import TrainState
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -45,10 +45,6 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be resumed from or exported; the message names it, why, and the fix."""
 
     label = "checkpoint error"
-
-
-def checkpoint_dir(cfg) -> Path:
-    return Path(cfg.checkpoint.dir or Path(cfg.logging.out_dir) / "checkpoints")
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -399,21 +395,10 @@ def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
 
 @reports_user_errors
 def main(argv=None) -> int:
+    from flux_train.cli import checkpoint_parser
     from flux_train.config import load_config
 
-    p = Parser(prog="python -m flux_train.checkpoint", description="Tools for a run's checkpoints: export one's model.")
-    sub = p.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser(
-        "export",
-        help="write a checkpoint's model as a diffusers FluxTransformer2DModel folder",
-        description="Write a checkpoint's model as a diffusers FluxTransformer2DModel folder (config.json + "
-        "safetensors), without a GPU or a process group.",
-    )
-    ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
-    ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
-    ex.add_argument("--out", required=True, help="the diffusers folder to write (config.json + safetensors)")
-    ex.add_overrides()
-    args = p.parse_args(argv)
+    args = checkpoint_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     path = find_checkpoint(Path(args.checkpoint))
     if path is None:

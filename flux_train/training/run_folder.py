@@ -15,7 +15,7 @@ from typing import IO, Callable
 import torch.distributed as dist
 
 from dataprep.folder_lock import LOCK_FILE, FolderLockError, lock_folder
-from flux_train.config import Config, ConfigError
+from flux_train.config import Config, ConfigError, checkpoint_dir
 from flux_train.errors import StorageError, UserError, raise_on_every_rank
 from flux_train.masking import masked
 from flux_train.outputs.mllog import C, parse, read_records, samples_count
@@ -49,7 +49,7 @@ def claim(cfg: Config, rank: int, world_size: int) -> Claim:
 
 
 def _claim(cfg: Config, world_size: int) -> Claim:
-    out, ckpt = Path(cfg.logging.out_dir), checkpoint.checkpoint_dir(cfg)
+    out, ckpt = Path(cfg.logging.out_dir), checkpoint_dir(cfg)
     log = out / cfg.logging.mllog_file
     if log.name in (LOCK_FILE, METRICS_FILE, REPORT_FILE, "config.yaml"):  # the log would replace it
         raise ConfigError(f"logging.mllog_file: {log.name} is another file of the run folder; name the log mllog.log")

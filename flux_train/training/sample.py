@@ -13,7 +13,6 @@ same Sampler for `eval.sample_prompts`: a grid per eval in the run folder.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass
@@ -22,10 +21,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from dataprep.encoders import ImageEncoder, TextEncoders, add_encoder_arguments, device_and_dtype
+from dataprep.encoders import ImageEncoder, TextEncoders, device_and_dtype
 from dataprep.format import DataprepError
-from flux_train.config import Config, ModelConfig, TrainConfig, load_config
-from flux_train.errors import Parser, UserError, reports_user_errors
+from flux_train.cli import sample_parser
+from flux_train.config import IMAGE_SIZE, Config, ModelConfig, TrainConfig, load_config
+from flux_train.errors import UserError, reports_user_errors
 from flux_train.model.diffusers_adapter import diffusers_config, quiet_diffusers, save_diffusers, to_diffusers
 
 STEPS = 4  # Flux.1-schnell's sampler: 4 steps, guidance-distilled (no classifier-free guidance)
@@ -39,7 +39,6 @@ SCHEDULER = dict(
     base_image_seq_len=256,
     max_image_seq_len=4096,
 )
-IMAGE_SIZE = 256  # the task's resolution (256x256 images, 32x32 latents)
 
 
 @dataclass(frozen=True)
@@ -173,47 +172,11 @@ def run_config_file(checkpoint: Path) -> Path:
     )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(
-        prog="python -m flux_train.sample",
-        description="Images from a trained model's checkpoint or exported weights, through diffusers' FluxPipeline "
-        "with the Flux.1-schnell sampler, from local weights only.",
-    )
-    p.add_argument(
-        "--checkpoint",
-        type=Path,
-        required=True,
-        help="a step_XXXXXXXX checkpoint folder, or a folder of them (the latest is used)",
-    )
-    p.add_argument(
-        "--config", type=Path, help="the run's config.yaml (default: the one of the run the checkpoint belongs to)"
-    )
-    p.add_argument(
-        "--exported",
-        type=Path,
-        metavar="FOLDER",
-        help="also save the transformer there as a diffusers folder (as `checkpoint export` writes it)",
-    )
-    p.add_argument("--vae", type=Path, required=True, help="local folder of the Flux VAE (FLUX.1-schnell: vae/)")
-    add_encoder_arguments(p)
-    p.add_argument("--prompts", type=Path, required=True, help="text file, one prompt per line")
-    p.add_argument("--out", type=Path, required=True, help="the PNG grid to write, one image per prompt")
-    p.add_argument(
-        "--size",
-        type=int,
-        default=IMAGE_SIZE,
-        help=f"image side in pixels, a multiple of 16 (default {IMAGE_SIZE}, what the model trains on)",
-    )
-    p.add_argument("--columns", type=int, default=0, help="images per grid row (default: about square)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial noise")
-    return p.parse_args(argv)
-
-
 @reports_user_errors
 def main(argv=None) -> int:
     from flux_train.training.checkpoint import find_checkpoint, read_weights
 
-    args = parse_args(argv)
+    args = sample_parser().parse_args(argv)
     if args.size <= 0 or args.size % 16:
         raise UserError(f"--size {args.size}: must be a positive multiple of 16 (VAE 8x, then 2x2 patches)")
     checkpoint = find_checkpoint(args.checkpoint)

@@ -7,7 +7,6 @@ eval <= target (success) or at train.max_steps (aborted) -> run_stop.
 
 from __future__ import annotations
 
-import argparse
 import enum
 import os
 import signal
@@ -20,17 +19,19 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from flux_train.cli import train_parser
 from flux_train.config import (
     Config,
     ConfigError,
     accumulation_steps,
+    checkpoint_dir,
     eval_interval_steps,
     graphs_on,
     load_config,
     validate,
 )
 from flux_train.data.sources import build_data, synthetic_samples
-from flux_train.errors import Parser, StorageError, reports_user_errors
+from flux_train.errors import StorageError, reports_user_errors
 from flux_train.kernels.fp8 import FP8Scaling
 from flux_train.model import flow
 from flux_train.model.diffusers_adapter import load_pretrained
@@ -99,7 +100,7 @@ class Trainer:
         if self.dist.is_main:
             run_folder.write_config(cfg)
         self.checkpointer = checkpoint.Checkpointer(
-            checkpoint.checkpoint_dir(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.checkpoint.every_steps
+            checkpoint_dir(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.checkpoint.every_steps
         )
         # a resumed run continues the same MLLOG file and does not start a second run in it
         self.mllog = MLLogger(
@@ -365,21 +366,9 @@ class Trainer:
         return Status.DIVERGED
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog="python -m flux_train.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/debug.yaml", help="YAML config (default: configs/debug.yaml)")
-    p.add_overrides()
-    p.add_argument(
-        "--print-config",
-        action="store_true",
-        help="print the resolved config (defaults: merged, --set applied) as YAML and exit",
-    )
-    return p.parse_args(argv)
-
-
 @reports_user_errors
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = train_parser().parse_args(argv)
     cfg = trainer = status = None
     try:
         cfg = load_config(args.config, args.overrides)
@@ -389,7 +378,7 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg)
         status = trainer.run()
     except StorageError as exc:  # a file the run must write could not be written: say where to resume from
-        raise StorageError(f"{exc}; {checkpoint.last_good(checkpoint.checkpoint_dir(cfg))}") from None
+        raise StorageError(f"{exc}; {checkpoint.last_good(checkpoint_dir(cfg))}") from None
     except RuntimeError as exc:  # out of memory; a collective failed or timed out
         rank = dist.get_rank() if dist.is_initialized() else 0
         oom, stalled = out_of_memory_line(exc, rank), collective_failure_line(exc, cfg.logging.out_dir if cfg else ".")
