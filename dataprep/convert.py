@@ -22,6 +22,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from dataprep import progress
+from dataprep.extras import require
 from dataprep.format import DataprepError, Shape, check_sample, tar_sample
 from dataprep.lifetime import die_with_parent
 from dataprep.shards import PARTIAL, ShardPlan, ShardRecord, SplitWriter, plan_shards, val_first_key
@@ -32,6 +33,7 @@ CHUNK_ROWS = 32  # rows read from Arrow at once: bounds a worker's memory to ~70
 
 def open_input(path: Path, val: bool):
     """The dataset, after checking that it is one and has the columns of the MLCommons layout."""
+    require("datasets", "dataprep convert (reading the MLCommons Arrow sets)")
     from datasets import Dataset, DatasetDict, load_from_disk
 
     try:

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from dataprep.extras import require
 from dataprep.format import DataprepError
 
 T5_TOKENS, CLIP_TOKENS = 256, 77
@@ -50,6 +51,7 @@ class TextEncoders:
         device: torch.device,
         dtype: torch.dtype,
     ):
+        require("transformers", "the T5 and CLIP text encoders (dataprep encode, empty-encodings, flux_train.sample)")
         from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
         def model(cls):

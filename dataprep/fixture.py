@@ -20,6 +20,7 @@ from typing import Iterable, Iterator
 import torch
 
 from dataprep.convert import COLUMNS
+from dataprep.extras import require
 from dataprep.format import EVAL_TIMESTEP_BINS, PARTS, Shape, encode_bf16, tar_sample, write_empty_encodings
 from dataprep.prepare import prepare
 from dataprep.shards import SplitWriter, plan_shards
@@ -121,6 +122,7 @@ class FixtureSplit:
 
 def save_arrow(path: Path, samples: Iterable[dict], val: bool) -> Path:
     """Samples (a list, or a FixtureSplit) as an MLCommons-style save_to_disk dataset, streamed."""
+    require("datasets", "dataprep fixture --arrow (writing the MLCommons Arrow form)")
     from datasets import Dataset, Features, Value
 
     features = {"__key__": Value("string")} | {column: Value("binary") for column in COLUMNS}

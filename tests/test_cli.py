@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from dataprep import progress
 from dataprep.__main__ import main as dataprep
+from dataprep.extras import EXTRA
 from flux_train.cluster import launch, submit
 from flux_train.outputs import results
 from flux_train.tools import bench, plan, reduce_precision
@@ -389,3 +390,49 @@ def test_help_answers_before_torch_is_imported(command):
     done = python_m(command, ["--help"], after="print('torch imported:', 'torch' in sys.modules)")
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
     assert done.stdout.splitlines()[-1] == "torch imported: False"
+
+
+# after `pip install -e .` without the extra that brings a command's package: here the package is made unimportable
+# in the command's interpreter (None in sys.modules: `import` raises ModuleNotFoundError as for a package that is not
+# installed), which leaves the rest of the test's environment as it is
+WITHOUT_EXTRAS = [
+    ("dataprep-convert", "datasets", DATAPREP, ["convert", "--train", "{tmp}/nowhere", "--out", "{tmp}/ds"]),
+    (
+        "dataprep-empty-encodings",
+        "transformers",
+        DATAPREP,
+        ["empty-encodings", "--out", "{tmp}/ds", "--t5", "{tmp}/t5", "--clip", "{tmp}/clip"],
+    ),
+    (
+        "sample",
+        "transformers",
+        "python -m flux_train.sample",
+        [
+            *["--checkpoint", "{tmp}/nowhere", "--vae", "{tmp}/vae", "--t5", "{tmp}/t5", "--clip", "{tmp}/clip"],
+            *["--prompts", "{tmp}/prompts.txt", "--out", "{tmp}/grid.png"],
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "package,command,argv", [row[1:] for row in WITHOUT_EXTRAS], ids=[row[0] for row in WITHOUT_EXTRAS]
+)
+def test_a_missing_extra_is_one_line_naming_it_and_exit_2(package, command, argv, tmp_path):
+    done = python_m(command, [a.format(tmp=tmp_path) for a in argv], before=f"sys.modules[{package!r}] = None")
+    err = done.stderr.strip()
+    assert done.returncode == 2 and err.splitlines() == [err], err
+    assert f"the Python package {package} is not installed; install it with the dataprep extra: pip install -e " in err
+    # the extra named is one that installs it (pyproject.toml's line `<extra> = [...]`; tomllib is not in Python 3.10)
+    extra = next(
+        line for line in (ROOT / "pyproject.toml").read_text().splitlines() if line.startswith(f"{EXTRA[package]} = [")
+    )
+    assert f'"{package}"' in extra.partition("=")[2]
+
+
+def test_export_quiets_the_libraries_without_transformers():
+    """checkpoint export needs no extra: silencing the libraries skips transformers where it is not installed."""
+    code = "import sys; sys.modules['transformers'] = None\n"
+    code += "from flux_train.model.diffusers_adapter import quiet_diffusers; quiet_diffusers()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

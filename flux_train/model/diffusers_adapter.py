@@ -12,6 +12,7 @@ black-forest-labs single-file checkpoint (`flux1-schnell.safetensors`, already i
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -202,9 +203,13 @@ def quiet_diffusers() -> None:
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
     from diffusers.utils import logging as diffusers_logging  # sets its loggers' levels when imported: ours after
-    from transformers.utils import logging as transformers_logging
 
-    for library in (diffusers_logging, transformers_logging):
+    libraries = [diffusers_logging]
+    if importlib.util.find_spec("transformers"):  # the dataprep extra's: an export runs without it
+        from transformers.utils import logging as transformers_logging
+
+        libraries.append(transformers_logging)
+    for library in libraries:
         library.set_verbosity_error()
         library.disable_progress_bar()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

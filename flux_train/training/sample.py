@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 
 from dataprep.encoders import ImageEncoder, TextEncoders, device_and_dtype
+from dataprep.extras import require
 from dataprep.format import DataprepError
 from flux_train.cli import sample_parser
 from flux_train.config import IMAGE_SIZE, Config, ModelConfig, TrainConfig, load_config
@@ -177,6 +178,10 @@ def main(argv=None) -> int:
     from flux_train.training.checkpoint import find_checkpoint, read_weights
 
     args = sample_parser().parse_args(argv)
+    try:  # before the checkpoint is read: the encoders come last
+        require("transformers", "python -m flux_train.sample (its T5 and CLIP text encoders)")
+    except DataprepError as exc:
+        raise UserError(str(exc)) from None
     if args.size <= 0 or args.size % 16:
         raise UserError(f"--size {args.size}: must be a positive multiple of 16 (VAE 8x, then 2x2 patches)")
     checkpoint = find_checkpoint(args.checkpoint)
