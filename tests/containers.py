@@ -31,6 +31,7 @@ class Engine:
     image: str
     path: str = ""  # prepended to PATH for submit (and so for the job)
     sets: list[str] = field(default_factory=list)  # --set overrides this engine needs here
+    limits: list[str] = field(default_factory=list)  # podman: the --ulimit values its containers need here
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "PATH": f"{self.path}:{os.environ['PATH']}" if self.path else os.environ["PATH"]}
@@ -64,10 +65,11 @@ def unavailable(reason: str):
     pytest.skip(reason)
 
 
-def podman_ulimits(image: str) -> list[str]:
-    """container.ulimits this machine's podman can set. Without CAP_SYS_RESOURCE it cannot raise a limit above
-    its own (podman's own nproc can be lower than the shell's): then the hard limits, nproc halved until a
-    container starts. Where the defaults (memlock unlimited) start one, nothing."""
+def podman_limits(image: str) -> list[str]:
+    """The ulimits (NAME=VALUE, podman's --ulimit) this machine's podman must be given to start a container.
+    Without CAP_SYS_RESOURCE it cannot raise a limit above its own (podman's own nproc can be lower than the
+    shell's): then the hard limits, nproc halved until a container starts. Where the defaults (memlock unlimited)
+    start one, none."""
 
     def starts(*ulimits: str) -> bool:
         argv = ["podman", "run", "--rm", *[f"--ulimit={u}" for u in ulimits], image, "true"]
@@ -79,7 +81,7 @@ def podman_ulimits(image: str) -> list[str]:
     nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
     while nproc > 1024 and not starts(f"memlock={memlock}", f"nofile={nofile}", f"nproc={nproc}"):
         nproc //= 2
-    return [f"container.ulimits={{memlock: '{memlock}', nofile: '{nofile}', nproc: '{nproc}'}}"]
+    return [f"memlock={memlock}", f"nofile={nofile}", f"nproc={nproc}"]
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +92,11 @@ def engine(request) -> Engine:
             unavailable("podman is not installed (apt-get install podman runc)")
         if subprocess.run(["podman", "image", "exists", PODMAN_IMAGE]).returncode:
             unavailable(f"podman image {PODMAN_IMAGE} is missing")
-        return Engine("podman", PODMAN_IMAGE, sets=podman_ulimits(PODMAN_IMAGE))
+        limits = podman_limits(PODMAN_IMAGE)
+        ulimits = ", ".join(f"{name}: '{value}'" for name, _, value in (limit.partition("=") for limit in limits))
+        return Engine(
+            "podman", PODMAN_IMAGE, sets=[f"container.ulimits={{{ulimits}}}"] if limits else [], limits=limits
+        )
     reason = CACHE / "apptainer.unavailable"
     if reason.is_file():
         pytest.skip(f"apptainer: {reason.read_text().strip()}")
