@@ -165,6 +165,22 @@ def test_terminal_shows_metrics_not_mllog_or_pin_memory_warnings(debug_run):
 
 
 @pytest.mark.slow
+def test_the_readmes_healthy_run_is_what_the_run_prints(debug_run):
+    """README's example of the debug run, abridged with `...` and with another machine's rates, is this run's output:
+    its lines in order, numbers aside (tests/test_doc_outputs.py checks the examples a CPU reproduces exactly)."""
+    out, proc = debug_run
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("**A healthy debug run**", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+
+    def shape(line: str) -> str:
+        return re.sub(r"\d+(\.\d+)?", "#", line.strip())
+
+    printed = (shape(line) for line in proc.stdout.replace(str(out), "runs/debug").splitlines())
+    # one pass over what was printed: a line of the example must come after the one before it
+    assert [line for line in example.splitlines() if line != "..." and shape(line) not in printed] == []
+
+
+@pytest.mark.slow
 def test_official_compliance_checker_accepts_the_log(debug_run):
     out, _ = debug_run
     proc = subprocess.run(

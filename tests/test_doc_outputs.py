@@ -1,0 +1,83 @@
+"""What README.md and docs/*.md show a command printing is what it prints now. A block of output sits under a line
+`<!-- output of: COMMAND -->`; COMMAND runs in bash, in a scratch folder holding the repository's configs/ (so
+paths print as documented, and the plan's plot lands there), and the block must equal its standard output.
+FLUX_DOCS_REGENERATE=1 writes the current output into the documents instead of failing.
+
+Every fenced block either names a language (bash, text, ...) or is such an output block: output that cannot be
+reproduced on a CPU machine (a training run's times, GPU measurements) is tagged `text` and says where it comes
+from. Message shapes quoted inline with placeholders (`node gpu07`, `pid N`) are not outputs and are not checked."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARKER = re.compile(r"<!-- output of: (.+) -->")
+
+
+@dataclass
+class Block:
+    doc: Path
+    first: int  # the line of the opening fence, 0-based
+    tag: str
+    command: str | None  # from the marker line above it
+
+    def where(self) -> str:
+        return f"{self.doc.relative_to(ROOT)}:{self.first + 1}"
+
+
+def blocks(doc: Path) -> list[Block]:
+    lines, found, inside = doc.read_text().splitlines(), [], False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            if not inside:
+                marker = MARKER.fullmatch(lines[i - 1]) if i else None
+                found.append(Block(doc, i, line[3:].strip(), marker and marker.group(1)))
+            inside = not inside
+    return found
+
+
+OUTPUTS = [b for doc in DOCUMENTS for b in blocks(doc) if b.command]
+
+
+def test_every_untagged_block_is_a_checked_output():
+    unmarked = [b.where() for doc in DOCUMENTS for b in blocks(doc) if not b.tag and not b.command]
+    assert unmarked == [], "tag these blocks (```text) or put `<!-- output of: COMMAND -->` above them"
+    assert len(OUTPUTS) >= 5  # the plan's three tables, submit's plan line and its refusal
+
+
+def replace_block(block: Block, output: list[str]) -> None:
+    """Write `output` between the fences of the block under the block's marker."""
+    lines = block.doc.read_text().splitlines()
+    start = lines.index(f"<!-- output of: {block.command} -->") + 2
+    end = lines.index("```", start)
+    block.doc.write_text("\n".join([*lines[:start], *output, *lines[end:]]) + "\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", OUTPUTS, ids=lambda b: b.command)
+def test_a_documented_output_is_what_the_command_prints(block, tmp_path):
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    # `python` is this interpreter, and the package this checkout's, wherever an installed one points
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        ["bash", "-c", block.command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    printed = [line.rstrip() for line in done.stdout.rstrip("\n").splitlines()]
+    assert printed, f"{block.command} printed nothing: {done.stderr[-2000:]}"
+    if os.environ.get("FLUX_DOCS_REGENERATE"):
+        replace_block(block, printed)
+    lines = block.doc.read_text().splitlines()
+    start = lines.index(f"<!-- output of: {block.command} -->") + 2
+    shown = lines[start : lines.index("```", start)]
+    assert shown == printed, (
+        f"{block.where()} differs from what the command prints (FLUX_DOCS_REGENERATE=1 rewrites it)"
+    )
