@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
+import typing
 from typing import Iterable, Mapping
 
 from flux_train.config import Config
@@ -43,7 +44,7 @@ def masked(cfg: Config) -> Config:
     extra = cfg.env.masked_vars
 
     def walk(value):
-        if dataclasses.is_dataclass(value):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return dataclasses.replace(
                 value, **{f.name: walk(getattr(value, f.name)) for f in dataclasses.fields(value)}
             )
@@ -53,4 +54,4 @@ def masked(cfg: Config) -> Config:
             return [walk(v) for v in value]
         return mask_text(value, extra) if isinstance(value, str) else value
 
-    return walk(cfg)
+    return typing.cast(Config, walk(cfg))

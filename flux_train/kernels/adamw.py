@@ -71,5 +71,17 @@ def adamw_step_triton(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, 
     n = master.numel()
     block = 2048
     _adamw_kernel[(triton.cdiv(n, block),)](
-        master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, n, beta1, beta2, eps, BLOCK=block, num_warps=8
+        master,
+        exp_avg,
+        exp_avg_sq,
+        grad,
+        out,
+        grad_coef,
+        hyper,
+        n,
+        beta1,
+        beta2,
+        eps,
+        BLOCK=block,
+        num_warps=8,  # pyright: ignore[reportCallIssue] - a launch option, not a kernel argument
     )

@@ -23,6 +23,8 @@ reject the OCP format.
 
 from __future__ import annotations
 
+import typing
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -111,7 +113,7 @@ class _TensorwiseLinear(torch.autograd.Function):
         return scaled_mm(xq, xs, wq.t(), ws, bias, fast_accum=True)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy):  # pyright: ignore[reportIncompatibleMethodOverride] - one output, one gradient
         xq_t, xs, wq_t, ws, scales, amax_grad = ctx.saved_tensors
         with_bias = ctx.bias_dtype is not None
         # the bias gradient (dY's column sums) comes from the same read of dY as its casts
@@ -132,7 +134,7 @@ class _RowwiseLinear(torch.autograd.Function):
         return scaled_mm(xq, xs, wq.t(), ws.t())
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor):  # pyright: ignore[reportIncompatibleMethodOverride] - one gradient
         x2, weight = ctx.saved_tensors
         wq, ws = quantize(weight, 0, ctx.dtype)  # per input channel (over N)
         dyq, dys = quantize(dy, 1, ctx.dtype)  # per token (over N)
@@ -151,8 +153,14 @@ class FP8Linear(nn.Linear):
     recipe: str = "delayed"
     fp8_dtype: torch.dtype = E4M3
     history: int = 16
+    # buffers FP8Scaling.of registers
+    fp8_scale: torch.Tensor
+    fp8_amax: torch.Tensor
+    fp8_amax_grad: torch.Tensor
+    fp8_history: torch.Tensor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name for it
+        x = input
         n, k = self.weight.shape
         m = x.numel() // k
         if n % 16 or k % 16 or m % 16:
@@ -178,7 +186,8 @@ def convert_to_fp8(model: nn.Module, recipe: str, dtype: torch.dtype, module_fil
     for fqn, module in list(model.named_modules()):
         if module_filter(fqn, module) and type(module) is nn.Linear:
             module.__class__ = FP8Linear
-            module.recipe, module.fp8_dtype, module.history = recipe, dtype, history
+            fp8 = typing.cast(FP8Linear, module)
+            fp8.recipe, fp8.fp8_dtype, fp8.history = recipe, dtype, history
     return model
 
 

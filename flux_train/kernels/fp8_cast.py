@@ -19,11 +19,9 @@ and the tests' reference.
 from __future__ import annotations
 
 import torch
+from torch.library import triton_op, wrap_triton  # plain torch: importable without Triton
 
 from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on, tl, triton
-
-if HAVE_TRITON:
-    from torch.library import triton_op, wrap_triton
 
 TINY_AMAX = 1e-12  # an all-zero tensor (a gradient before the gates open) casts to zeros, not NaN
 

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.library import triton_op, wrap_triton  # plain torch: importable without Triton
 
 from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on, tl, triton
-
-if HAVE_TRITON:
-    from torch.library import triton_op, wrap_triton
 
 
 def math_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,7 +129,7 @@ if HAVE_TRITON:
         dx, dw = _rmsnorm_bwd(dy.contiguous(), x, weight, rstd)
         return dx, dw, None
 
-    _rmsnorm_fwd.register_autograd(_backward, setup_context=_setup_context)
+    _rmsnorm_fwd.register_autograd(_backward, setup_context=_setup_context)  # pyright: ignore[reportFunctionMemberAccess] - a CustomOpDef
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import json
 import math
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -261,7 +261,7 @@ def is_token_linear(fqn: str, module: nn.Module) -> bool:
 # ------------------------------------------------------------------------------------------------ init
 
 
-def init_rule(fqn: str, module: nn.Module) -> tuple[str, float]:
+def init_rule(fqn: str, module: nn.Linear | RMSNorm) -> tuple[str, float]:
     """('zero' | 'ones' | 'normal' | 'xavier', scale) for the weight of a Linear or RMSNorm by its name."""
     if isinstance(module, RMSNorm):
         return "ones", 0.0
@@ -304,22 +304,22 @@ def reference_init(model: nn.Module, seed: int, device) -> Iterator[tuple[str, t
             f"{prefix}.scale" if isinstance(module, RMSNorm) else f"{prefix}.weight",
             _draw(rule, scale, weight.shape, gen, device),
         )
-        if getattr(module, "bias", None) is not None:
+        if isinstance(module, nn.Linear) and module.bias is not None:
             yield f"{prefix}.bias", torch.zeros(module.bias.shape, device=device)
 
 
 @torch.no_grad()
 def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
-    if hasattr(param, "device_mesh"):  # DTensor from FSDP2: keep this rank's shard of the full tensor
-        from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
+    if isinstance(param, DTensor):  # from FSDP2: keep this rank's shard of the full tensor
         shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
     else:
         param.copy_(full)
 
 
-def check_weights(model: nn.Module, values: dict[str, torch.Tensor], source: str) -> None:
+def check_weights(model: FluxModel, values: dict[str, torch.Tensor], source: str) -> None:
     """Raise ValueError naming the first missing, unexpected or misshapen tensor of a full state dict."""
     params = {canonical_name(n): p for n, p in model.named_parameters()}
     for name, p in params.items():
@@ -350,7 +350,10 @@ def init_weights(model: nn.Module, seed: int) -> None:
     assign_weights(model, reference_init(model, seed, device))
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def materialize(model: ModuleT, device: torch.device, seed: int) -> ModuleT:
     """Allocate the meta model's storage on `device` (sharded if FSDP wrapped it) and initialise it."""
     model.to_empty(device=device)
     init_weights(model, seed)

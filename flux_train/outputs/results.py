@@ -239,7 +239,7 @@ def _captured_log():
 def mlperf_score(runs: list[Run]) -> Score:
     """Olympic mean of time-to-train as the result summarizer computes it: a run that did not converge or failed
     compliance is dropped as the slowest; with more than one such run there is no score."""
-    ok = sorted((r for r in runs if r.counts), key=lambda r: r.minutes)
+    ok = sorted((r for r in runs if r.counts), key=lambda r: r.minutes or 0.0)  # counted runs have minutes
     bad = [r.name for r in runs if not r.counts]
     if len(bad) > 1:
         return Score(
@@ -257,7 +257,7 @@ def mlperf_score(runs: list[Run]) -> Score:
         return Score(None, 0, "no score: no run converged with a compliant log")
     if len(runs) != RUNS_PER_SCORE:
         how = f"NOT an MLPerf score ({len(runs)} runs given, flux1 needs {RUNS_PER_SCORE}); {how}"
-    return Score(statistics.fmean(r.minutes for r in kept), len(kept), how)
+    return Score(statistics.fmean(r.minutes or 0.0 for r in kept), len(kept), how)
 
 
 def samples_to_converge(runs: list[Run]) -> Samples:
@@ -328,7 +328,7 @@ def problems(runs: list[Run]) -> list[str]:
     for r in runs:
         if r.error:
             found.append(f"{r.name}: unreadable: {r.error}")
-        elif not r.compliance.passed:
+        elif r.compliance is not None and not r.compliance.passed:
             found.append(f"{r.name}: fails compliance: {'; '.join(r.compliance.messages)}")
     return found
 
@@ -348,7 +348,7 @@ def print_table(runs: list[Run]) -> None:
     width = max(len(r.name) for r in runs)
     print(f"{'run':<{width}}  {'status':<10} {'minutes':>9} {'samples':>13} {'evals':>5} {'last val':>9}  compliance")
     for r in runs:
-        if r.error:
+        if r.error or r.compliance is None:  # a log that was read has its compliance result
             print(f"{r.name:<{width}}  unreadable: {r.error}")
             continue
         minutes = f"{r.minutes:.3f}" if r.minutes is not None else "-"

@@ -319,7 +319,8 @@ def project(cfg: Config, figs: Figures, rcp: dict | None) -> dict:
     }
     stated = figs.figure("rate")
     if stated is not None:  # a stated training rate stands for the whole step
-        step = mb * accum / notes.use("step", stated, "")
+        notes.use("step", stated, "")
+        step = mb * accum / stated[0]
         parts = {}
     else:
         parts = step_parts(cfg, figs, notes)
@@ -399,13 +400,11 @@ def time_to_train(cfg: Config, figs: Figures, notes: Notes, rcp: dict, step: flo
     scaled = [
         r["eval_samples_s_per_gpu"] * flops_per_sample(row_config(cfg, r).model, TOKENS, TOKENS) / flops for r in same
     ]
-    mean = statistics.fmean(scaled) if same else None
-    rate = (
-        (mean, f"{mean:.1f} samples/s/GPU, {len(same)} {precision} step row(s) at their FLOP rate ({where})")
-        if same
-        else None
-    )
-    rate = notes.use("eval", rate, f"no eval rate for {figs.kind}")
+    found = None
+    if same:
+        mean = statistics.fmean(scaled)
+        found = mean, f"{mean:.1f} samples/s/GPU, {len(same)} {precision} step row(s) at their FLOP rate ({where})"
+    rate = notes.use("eval", found, f"no eval rate for {figs.kind}")
     eval_s = EVAL_SAMPLES / (rate * world) if rate else 0.0
     stall = ckpt.get("stall_s", 0.0)
     out = {"eval_s": eval_s if rate else None, "checkpoint_stall_s": ckpt.get("stall_s")}
@@ -514,7 +513,7 @@ def check(cfg: Config, figs: Figures) -> list[dict]:
     """Every step row of this kind against its projection from the other configurations' rows."""
     rows, _ = figs.rows("step", lambda r: True)
     out = []
-    for setup in dict.fromkeys(step_setup(r) for r in rows):
+    for setup in dict.fromkeys(s for s in map(step_setup, rows) if s is not None):
         same = [r for r in rows if step_setup(r) == setup]
         c = row_config(cfg, same[0])
         p = project(c, figs.excluding(setup), None)
@@ -525,7 +524,7 @@ def check(cfg: Config, figs: Figures) -> list[dict]:
                 "gpus": same[0]["world"],
                 "micro_batch": same[0]["batch"],
                 "accumulation": same[0]["accum"],
-                "layout": p["layout"] + {True: ", graphs", False: ", eager"}.get(same[0].get("graphs"), ""),
+                "layout": p["layout"] + {None: "", True: ", graphs", False: ", eager"}[same[0].get("graphs")],
                 "rows": len(same),
                 "measured_samples_s_per_gpu": statistics.fmean(r["samples_s_per_gpu"] for r in same),
                 "projected_samples_s_per_gpu": p["samples_s_per_gpu"],

@@ -33,7 +33,7 @@ from flux_train.cli import reduce_precision_parser
 from flux_train.config import CONFIG_DIR, TrainConfig, load_config
 from flux_train.data.sources import synthetic_samples
 from flux_train.model import flow
-from flux_train.model.flux import build_model, init_rule, materialize
+from flux_train.model.flux import FluxModel, build_model, init_rule, materialize
 
 NODE = 8  # ranks per node: ddp's dp_shard group on 8-GPU nodes
 TEXT_LEN, LATENT = 256, 32  # 256 text tokens + (32 / 2)^2 = 256 image tokens
@@ -52,11 +52,11 @@ class _RoundToBf16(torch.autograd.Function):
         return to_bf16(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # pyright: ignore[reportIncompatibleMethodOverride] - one output, one gradient
         return to_bf16(grad)
 
 
-def build(seed: int) -> nn.Module:
+def build(seed: int) -> FluxModel:
     """The two-block flux-schnell-wide model in fp32 holding bf16 values, Linears' inputs/outputs rounded."""
     cfg = load_config(CONFIG_DIR / "model/flux-schnell.yaml", ["model.num_layers=1", "model.num_single_layers=1"])
     model = materialize(build_model(cfg.model, "torch"), torch.device("cpu"), seed)
@@ -73,7 +73,7 @@ def build(seed: int) -> nn.Module:
     return model
 
 
-def rank_gradient(model: nn.Module, rank: int, seed: int, batch: int, picks: list[torch.Tensor]) -> torch.Tensor:
+def rank_gradient(model: FluxModel, rank: int, seed: int, batch: int, picks: list[torch.Tensor]) -> torch.Tensor:
     """Rank `rank`'s fp32 gradient (bf16 GEMM operands, fp32 accumulation) at the kept elements, concatenated."""
     m = model.cfg
     samples = synthetic_samples(
@@ -85,7 +85,7 @@ def rank_gradient(model: nn.Module, rank: int, seed: int, batch: int, picks: lis
     kwargs = {k: v.float() for k, v in inputs.as_kwargs().items()}
     model.zero_grad(set_to_none=True)
     flow.mse_loss(model(**kwargs), target).backward()
-    return torch.cat([p.grad.flatten()[idx] for p, idx in zip(model.parameters(), picks)])
+    return torch.cat([p.grad.flatten()[idx] for p, idx in zip(model.parameters(), picks) if p.grad is not None])
 
 
 def ring_sum(grads, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

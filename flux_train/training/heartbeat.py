@@ -24,6 +24,7 @@ from pathlib import Path
 
 INTERVAL_S = 2.0
 EXIT_HUNG = 6  # the run ended, but its process did not (a hung teardown)
+STDERR_FD = 2  # faulthandler writes to a descriptor: the process's stderr, also where sys.stderr is replaced
 
 
 def node_name() -> str:
@@ -118,8 +119,7 @@ class ExitDeadline:
         self.timer.daemon = True
         self.timer.name = "flux-exit-deadline"
         self.timer.start()
-        # faulthandler writes to a file descriptor: the process's own stderr, also where sys.stderr is replaced
-        faulthandler.dump_traceback_later(seconds + self.BACKSTOP_S, exit=True, file=sys.__stderr__)
+        faulthandler.dump_traceback_later(seconds + self.BACKSTOP_S, exit=True, file=STDERR_FD)
 
     def _expire(self) -> None:
         frame = sys._current_frames().get(self.main)
@@ -130,7 +130,7 @@ class ExitDeadline:
             file=sys.stderr,
             flush=True,
         )
-        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+        faulthandler.dump_traceback(file=STDERR_FD, all_threads=True)
         os._exit(EXIT_HUNG)
 
     def cancel(self) -> None:

@@ -119,6 +119,8 @@ class Metrics:
             self._show()
 
     def _show(self) -> None:
+        if self.bar is None:
+            return
         shown = [f"{k}={v}" for k, v in self.postfix.items()]
         self.bar.set_postfix_str(", ".join(p for p in [*shown, self.eta.text(self.bar.n)] if p), refresh=False)
 
@@ -164,10 +166,14 @@ class Metrics:
         else:
             print(text, flush=True)
 
+        jsonl = self.jsonl
+        if jsonl is None:  # not the main rank
+            return
+
         def write() -> None:
             data = (json.dumps(row) + "\n").encode()
             while data:  # a write the disk cuts short returns less: the next one raises
-                data = data[self.jsonl.write(data) :]
+                data = data[jsonl.write(data) :]
 
         self._written(write)
         if self.tb is not None:

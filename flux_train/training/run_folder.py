@@ -71,7 +71,7 @@ def _claim(cfg: Config, world_size: int) -> Claim:
             "checkpoint.resume=none to start over in this one"
         )
     checkpoint.remove_leftovers(ckpt)
-    if resume_from is not None:
+    if step is not None and resume_samples is not None:  # resuming
         cut_back(log, _samples_of, resume_samples)
         cut_back(out / METRICS_FILE, _step_of, step)
     return Claim(resume_from, locks)
