@@ -728,7 +728,7 @@ def keys() -> list[Key]:
     for section, cls in typing.get_type_hints(Config).items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
             found.append(Key(f"{section}.{f.name}", hints[f.name], default, **f.metadata))
     return found
 
@@ -779,7 +779,7 @@ def validate(cfg: Config, world_size: int | None = None, gpus_per_node: int | No
         value = values[key.name]
         if not isinstance(value, str):
             continue
-        need(value.strip() or key.may_be_empty, f"{key.name}: empty; give a value, or null to leave it unset")
+        need(bool(value.strip()) or key.may_be_empty, f"{key.name}: empty; give a value, or null to leave it unset")
         # a newline or NUL in a path splits every message naming it and fails deep in the OS calls
         need(value.isprintable(), f"{key.name}: {value!r} holds a control character (a newline, a tab, NUL, ...)")
     for key in declared:
