@@ -3,14 +3,19 @@
 A config file is YAML with optional `defaults: [other.yaml, model/flux-debug.yaml, ...]` (paths relative
 to the file, then to the `configs/` folder). Defaults merge in order, the file's own keys last, then
 `--set section.key=value` overrides (values parsed as YAML). Every key is checked against the dataclasses
-below: unknown keys, wrong types and impossible values raise ConfigError naming the key path.
+below: unknown keys, wrong types and impossible values raise ConfigError naming the key path. Each key's field
+carries its help and the values it accepts (`setting`): validate checks them, and docs/config.md and
+`--help-config` show them.
 """
 
 from __future__ import annotations
 
 import collections.abc
+import copy
 import dataclasses
+import json
 import math
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,240 +41,442 @@ class ConfigError(UserError, ValueError):
     label = "config error"
 
 
+# what a number accepts: (the text messages and docs show, the check); 0 is accepted where the key's help gives it
+# a meaning (off, unset, none)
+Accepts = tuple[str, Callable[[Any], bool]]
+
+
+def _at_least(low: float) -> Accepts:
+    return f">= {low}", lambda v: v >= low
+
+
+def _within(low: float, high: float) -> Accepts:
+    return f"in [{low}, {high}]", lambda v: low <= v <= high
+
+
+POSITIVE = ("> 0", lambda v: v > 0)
+BELOW_ONE = ("in [0, 1)", lambda v: 0 <= v < 1)  # an AdamW beta of 1 divides by zero in its bias correction
+AUTO_OR_POSITIVE = ("-1 (auto) or >= 1", lambda v: v == -1 or v >= 1)
+PATCHABLE = ("a positive even number (2x2 patches)", lambda v: v > 0 and v % 2 == 0)
+RULES = "fixed by the rules; configurable only so tests and ablations can move it"
+
+
+def setting(default: Any, help: str, accepts: Accepts | None = None, may_be_empty: bool = False) -> Any:
+    """A config key's field: its default, what it does (`help`), the values validate accepts (`accepts`; an optional
+    key's null is always accepted) and, for a string, whether empty means something (`may_be_empty`; any other key
+    given an empty string, what an unset shell variable gives in --set data.path=$DATA, is refused rather than read
+    as unset, since null unsets a key)."""
+    metadata = {"help": help, "accepts": accepts, "may_be_empty": may_be_empty}
+    if isinstance(default, (list, dict)):  # mutable: every config gets its own copy
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class ModelConfig:
-    flavor: str = "flux-schnell"
-    in_channels: int = 64
-    num_layers: int = 19
-    num_single_layers: int = 38
-    attention_head_dim: int = 128
-    num_attention_heads: int = 24
-    joint_attention_dim: int = 4096
-    pooled_projection_dim: int = 768
-    axes_dims_rope: list[int] = field(default_factory=lambda: [16, 56, 56])
-    # start from these weights instead of the reference init: a local diffusers FluxTransformer2DModel folder
-    # (or a FLUX.1 pipeline folder with transformer/) or a black-forest-labs .safetensors file
-    init_from: Optional[str] = None
+    flavor: str = setting(
+        "flux-schnell",
+        "the model's name: printed at the start, checked against a checkpoint's on resume and export; flux-schnell's "
+        "runs get the MLPerf reference's convergence points in the progress bar. The shapes are the keys below",
+    )
+    in_channels: int = setting(
+        64, "input and output channels per token: 4 x the VAE's latent channels (2x2 patches)", POSITIVE
+    )
+    num_layers: int = setting(19, "double-stream (text and image) blocks", _at_least(0))
+    num_single_layers: int = setting(38, "single-stream blocks, after the double-stream ones", _at_least(0))
+    attention_head_dim: int = setting(128, "width of one attention head; the hidden size is heads x this", POSITIVE)
+    num_attention_heads: int = setting(24, "attention heads per block", POSITIVE)
+    joint_attention_dim: int = setting(4096, "width of the T5 text encodings the model reads", POSITIVE)
+    pooled_projection_dim: int = setting(768, "width of the pooled CLIP encoding the model reads", POSITIVE)
+    axes_dims_rope: list[int] = setting(
+        [16, 56, 56],
+        "rotary embedding dimensions per position-id axis (one that is 0 for every token, the patch row, the patch "
+        "column): each even, summing to attention_head_dim",
+    )
+    init_from: Optional[str] = setting(
+        None,
+        "start from these weights instead of the reference init: a local diffusers FluxTransformer2DModel folder "
+        "(or a FLUX.1 pipeline folder with transformer/) or a black-forest-labs .safetensors file",
+    )
 
 
 @dataclass
 class DataConfig:
-    # energon: the dataset of docs/data-format.md (written by `python -m dataprep`); synthetic: an in-memory random set
-    source: Literal["synthetic", "energon"] = "synthetic"
-    # energon dataset root (the folder holding .nv-meta/, train/, val/, empty_encodings/); unset: a tiny fixture
-    # dataset is written to fixture_dir and used (debug runs only)
-    path: Optional[str] = None
-    # empty-string encodings for caption dropout; default <path>/empty_encodings
-    empty_encodings: Optional[str] = None
-    # energon loader worker processes per rank; the train order (and resuming it) depends on it and the world size
-    num_workers: int = 2
-    # energon: per-worker shuffle buffer in samples (0 = none); samples read in a row from one shard slice
-    # before moving to another (0 = no limit)
-    shuffle_buffer_size: int = 100
-    max_samples_per_sequence: int = 100
-    # sizes of the synthetic set, and of the fixture written when source=energon and path is unset
-    synthetic_train_samples: int = 64
-    synthetic_val_samples: int = 32
-    synthetic_text_len: int = 16
-    synthetic_latent_size: int = 8
-    # where that fixture goes; default <logging.out_dir>/fixture
-    fixture_dir: Optional[str] = None
+    source: Literal["synthetic", "energon"] = setting(
+        "synthetic",
+        "energon: the dataset of docs/data-format.md (written by `python -m dataprep`); synthetic: an in-memory "
+        "random set",
+    )
+    path: Optional[str] = setting(
+        None,
+        "energon dataset root (the folder holding .nv-meta/, train/, val/, empty_encodings/); unset: a tiny fixture "
+        "dataset is written to fixture_dir and used (debug runs only)",
+    )
+    empty_encodings: Optional[str] = setting(
+        None, "empty-string encodings for caption dropout; default <path>/empty_encodings"
+    )
+    num_workers: int = setting(
+        2,
+        "energon loader worker processes per rank; the train order (and resuming it) depends on it and the world size",
+        _at_least(0),
+    )
+    shuffle_buffer_size: int = setting(100, "energon: per-worker shuffle buffer in samples (0 = none)", _at_least(0))
+    max_samples_per_sequence: int = setting(
+        100,
+        "energon: samples read in a row from one shard slice before moving to another (0 = no limit)",
+        _at_least(0),
+    )
+    synthetic_train_samples: int = setting(
+        64,
+        "train samples of the synthetic set, and of the fixture written when source=energon and path is unset",
+        POSITIVE,
+    )
+    synthetic_val_samples: int = setting(
+        32, "val samples of that set or fixture (the synthetic set's are its first train samples)", POSITIVE
+    )
+    synthetic_text_len: int = setting(16, "text tokens per sample of that set or fixture", POSITIVE)
+    synthetic_latent_size: int = setting(8, "latent side of that set or fixture (32 for 256x256 images)", PATCHABLE)
+    fixture_dir: Optional[str] = setting(None, "where that fixture goes; default <logging.out_dir>/fixture")
 
 
 @dataclass
 class TrainConfig:
-    global_batch_size: int = 512
-    micro_batch_size: int = 16
-    lr: float = 2.0e-4
-    warmup_steps: int = 1600
-    max_steps: int = 30_000
-    seed: int = 1234
-    caption_dropout_prob: float = 0.1
-    # fixed by the rules; configurable only so tests and ablations can move them
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1.0e-8
-    weight_decay: float = 0.1
-    grad_clip_norm: float = 1.0
-    latent_shift: float = 0.1159
-    latent_scale: float = 0.3611
-    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    # a test hook for the non-finite guard: the loss of this step (1-based) becomes NaN; 0 = never
-    inject_nan_at_step: int = 0
+    global_batch_size: int = setting(
+        512,
+        "samples per optimizer step over all ranks; gradient accumulation = it / (micro_batch_size x ranks), which "
+        "must divide exactly. configs/recipes/ holds the reference's (GBS, lr, warm-up) points",
+        POSITIVE,
+    )
+    micro_batch_size: int = setting(16, "samples per rank per forward and backward", POSITIVE)
+    lr: float = setting(2.0e-4, "the learning rate after the warm-up (constant after it)", POSITIVE)
+    warmup_steps: int = setting(
+        1600, "linear warm-up: the learning rate is lr x (step + 1) / warmup_steps before this step", _at_least(0)
+    )
+    max_steps: int = setting(
+        30_000, "step cap: a run that reaches it without reaching eval.target ends aborted", POSITIVE
+    )
+    seed: int = setting(
+        1234,
+        "the run's seed (MLLOG's seed): the initial weights, the data order and every random draw (seeded from it, the "
+        "step and the micro-batch); run i of a campaign (submit --runs) takes seed + i",
+        _within(0, 2**32 - 1),
+    )
+    caption_dropout_prob: float = setting(
+        0.1,
+        "per-sample probability of swapping both text encodings for the empty string's (the reference's: 0.1)",
+        _within(0, 1),
+    )
+    adam_beta1: float = setting(0.9, f"AdamW's beta1 ({RULES})", BELOW_ONE)
+    adam_beta2: float = setting(0.95, f"AdamW's beta2 ({RULES})", BELOW_ONE)
+    adam_eps: float = setting(1.0e-8, f"AdamW's epsilon ({RULES})", POSITIVE)
+    weight_decay: float = setting(0.1, f"AdamW's weight decay ({RULES})", _at_least(0))
+    grad_clip_norm: float = setting(
+        1.0,
+        f"gradients are clipped to this global norm ({RULES})",
+        POSITIVE,
+    )
+    latent_shift: float = setting(
+        0.1159,
+        f"the VAE latents enter the model as (z - latent_shift) x latent_scale, the Flux VAE's factors ({RULES})",
+    )
+    latent_scale: float = setting(0.3611, f"the scale in latent_shift's formula, the Flux VAE's ({RULES})", POSITIVE)
+    compute_dtype: Literal["bfloat16", "float32"] = setting(
+        "bfloat16", "the dtype of the forward and backward; master weights and optimizer state are float32"
+    )
+    device: Literal["auto", "cpu", "cuda"] = setting(
+        "auto", "where to train; auto: the GPU when one is visible, else the CPU"
+    )
+    inject_nan_at_step: int = setting(
+        0, "a test hook for the non-finite guard: the loss of this step (1-based) becomes NaN; 0 = never", _at_least(0)
+    )
 
 
 @dataclass
 class EvalConfig:
-    every_samples: int = EVAL_EVERY_SAMPLES
-    # debug runs may evaluate on a step cadence instead; 0 = derive from every_samples
-    every_steps: int = 0
-    target: float = TARGET_VAL_LOSS
-    batch_size: int = 16
-    enabled: bool = True
-    # a file of prompts (one a line): after each eval's MLLOG events rank 0 writes <out_dir>/samples/step_N.png, one
-    # 256x256 image per prompt (flux_train/training/sample.py; the last eval's after run_stop). Off by default: the grids of
-    # the other evals take time between run_start and run_stop. Needs sample_weights: a local FLUX.1-schnell folder
-    # (vae/, text_encoder/, tokenizer/, text_encoder_2/, tokenizer_2/)
-    sample_prompts: Optional[str] = None
-    sample_weights: Optional[str] = None
+    every_samples: int = setting(
+        EVAL_EVERY_SAMPLES,
+        "an eval every ceil(every_samples / train.global_batch_size) steps (MLLOG's evaluation_frequency; the rules' "
+        "262144)",
+        POSITIVE,
+    )
+    every_steps: int = setting(
+        0, "debug runs may evaluate on a step cadence instead; 0 = derive from every_samples", _at_least(0)
+    )
+    target: float = setting(
+        TARGET_VAL_LOSS, "the run ends with success at the first eval whose val loss is <= this", _at_least(0)
+    )
+    batch_size: int = setting(16, "val samples per rank per forward", POSITIVE)
+    enabled: bool = setting(True, "false: no evals, so the run ends at train.max_steps")
+    sample_prompts: Optional[str] = setting(
+        None,
+        "a file of prompts (one a line): after each eval's MLLOG events rank 0 writes <out_dir>/samples/step_N.png, "
+        "one 256x256 image per prompt (flux_train/training/sample.py; the last eval's after run_stop). Off by "
+        "default: the grids of the other evals take time between run_start and run_stop. Needs sample_weights",
+    )
+    sample_weights: Optional[str] = setting(
+        None,
+        "for sample_prompts: a local FLUX.1-schnell folder (vae/, text_encoder/, tokenizer/, text_encoder_2/, "
+        "tokenizer_2/)",
+    )
 
 
 @dataclass
 class ParallelConfig:
-    # fsdp: weights, gradients and optimizer state sharded (FSDP2), weights gathered every micro-batch: fits
-    # 80 GB GPUs. ddp: bf16 weights and gradients replicated, fp32 master weights and AdamW state sharded over
-    # dp_shard; one reduce-scatter and one all-gather per optimizer step (needs ~4 bytes per parameter plus
-    # 12/dp_shard: 141 GB and larger GPUs; python -m flux_train.plan says what fits)
-    strategy: Literal["fsdp", "ddp"] = "fsdp"
-    # gradient reduction dtype; fsdp: of the reduce-scatter (auto: float32, as the reference); ddp: of the
-    # cross-node all-reduce, the reduce-scatter within a node summing the compute dtype (auto: the compute
-    # dtype, as the MLPerf submissions; docs/benchmark.md "Gradient reduction precision")
-    reduce_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # -1: all ranks of a node shard, nodes replicate (HSDP); 1 replicate = plain FSDP over all ranks
-    dp_shard: int = -1
-    dp_replicate: int = -1
-    reshard_after_forward: bool = True
-    activation_checkpointing: bool = False
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    # a collective that has not completed after this long ends the run, naming the ranks that did not arrive;
-    # it must cover the longest stretch one rank can spend away from the others (a checkpoint save, an eval)
-    timeout_s: int = 300
-    # a rank whose run has ended but whose process has not exited after this long (a hung teardown: NCCL's
-    # communicator destruction, a stuck thread) is ended, naming the rank and where it waits (exit 6)
-    exit_timeout_s: int = 60
+    strategy: Literal["fsdp", "ddp"] = setting(
+        "fsdp",
+        "fsdp: weights, gradients and optimizer state sharded (FSDP2), weights gathered every micro-batch: fits 80 GB "
+        "GPUs. ddp: bf16 weights and gradients replicated, fp32 master weights and AdamW state sharded over "
+        "dp_shard; one reduce-scatter and one all-gather per optimizer step (needs ~4 bytes per parameter plus "
+        "12/dp_shard: 141 GB and larger GPUs; python -m flux_train.plan says what fits)",
+    )
+    reduce_dtype: Literal["auto", "float32", "bfloat16"] = setting(
+        "auto",
+        "gradient reduction dtype; fsdp: of the reduce-scatter (auto: float32, as the reference); ddp: of the "
+        "cross-node all-reduce (float32: each shard summed in an fp32 buffer, rounded back once), the reduce-scatter "
+        "within a node summing the compute dtype (auto: the compute dtype, as the MLPerf submissions; "
+        'docs/benchmark.md "Gradient reduction precision")',
+    )
+    dp_shard: int = setting(
+        -1,
+        "ranks that shard the state (fsdp: weights, gradients, optimizer; ddp: the optimizer's); -1: all ranks / "
+        "dp_replicate where that is set, else the ranks of a node (nodes replicate: HSDP)",
+        AUTO_OR_POSITIVE,
+    )
+    dp_replicate: int = setting(
+        -1, "replicas of the sharded state; -1: all ranks / dp_shard; 1 = plain FSDP over all ranks", AUTO_OR_POSITIVE
+    )
+    reshard_after_forward: bool = setting(
+        True,
+        "fsdp: free each block's gathered weights after its forward and gather them again for the backward (false: "
+        "keep them, more memory, one all-gather less)",
+    )
+    activation_checkpointing: bool = setting(
+        False, "recompute each block's forward in the backward instead of keeping its activations"
+    )
+    backend: Literal["auto", "nccl", "gloo"] = setting(
+        "auto", "torch.distributed's backend; auto: nccl on GPUs (RCCL on AMD), gloo on the CPU"
+    )
+    timeout_s: int = setting(
+        300,
+        "a collective that has not completed after this long ends the run, naming the ranks that did not arrive; it "
+        "must cover the longest stretch one rank can spend away from the others (a checkpoint save, an eval)",
+        _within(10, 7 * 24 * 3600),  # a week is longer than any job
+    )
+    exit_timeout_s: int = setting(
+        60,
+        "a rank whose run has ended but whose process has not exited after this long (a hung teardown: NCCL's "
+        "communicator destruction, a stuck thread) is ended, naming the rank and where it waits (exit 6)",
+        _within(1, 3600),
+    )
 
 
 @dataclass
 class PerfConfig:
-    compile: Literal["none", "block"] = "none"
-    # the whole optimizer step (micro-batches, reduction, AdamW, all-gathers) as one CUDA graph (ddp only);
-    # auto: on where it can capture and pays (ddp on a GPU with FP8; `graphs_on`), off elsewhere
-    cuda_graphs: Literal["auto", True, False] = "auto"
-    rmsnorm: Literal["auto", "triton", "torch"] = "auto"
-    # auto: in bf16 the backend measured fastest here, checked against flash (flux_train/training/perf.py); in fp32 torch's
-    attention: Literal["flash", "efficient", "cudnn", "math", "auto"] = "auto"
-    # delayed: one scale per tensor from an amax history (ours only); tensorwise: from the current amax;
-    # rowwise: one scale per row (flux_train/kernels/fp8.py)
-    fp8: Literal["none", "delayed", "tensorwise", "rowwise"] = "none"
-    # ours: flux_train.kernels.fp8; torchao: torchao.float8's Float8Linear (needs torchao installed)
-    fp8_impl: Literal["ours", "torchao"] = "ours"
-    # delayed scaling: steps of amax history a scale is taken from, and 2^margin of headroom above it
-    fp8_amax_history: int = 16
-    fp8_margin: int = 0
-    # training steps run on synthetic batches before run_start (compile, graphs), weights restored after;
-    # their latent side should match the data's (32 for 256x256 images) so compile does not run again
-    warmup_iters: int = 0
-    warmup_latent_size: int = 32
+    compile: Literal["none", "block"] = setting(
+        "none", "block: each double/single block is its own torch.compile region (flux_train/training/perf.py)"
+    )
+    cuda_graphs: Literal["auto", True, False] = setting(
+        "auto",
+        "the whole optimizer step (micro-batches, reduction, AdamW, all-gathers) as one CUDA graph (ddp only); auto: "
+        "on where it can capture and pays (ddp on a GPU with FP8; `graphs_on`), off elsewhere",
+    )
+    rmsnorm: Literal["auto", "triton", "torch"] = setting(
+        "auto", "the Q/K RMSNorms' kernel; auto: ours in Triton on a GPU, torch's elsewhere"
+    )
+    attention: Literal["flash", "efficient", "cudnn", "math", "auto"] = setting(
+        "auto",
+        "the SDPA backend; auto: in bf16 the backend measured fastest here (cuDNN on Hopper, else flash), checked "
+        "against flash (flux_train/training/perf.py); in fp32 torch's choice",
+    )
+    fp8: Literal["none", "delayed", "tensorwise", "rowwise"] = setting(
+        "none",
+        "FP8 GEMMs for the blocks' token Linears; delayed: one scale per tensor from an amax history (ours only); "
+        "tensorwise: from the current amax; rowwise: one scale per row (flux_train/kernels/fp8.py)",
+    )
+    fp8_impl: Literal["ours", "torchao"] = setting(
+        "ours",
+        "ours: flux_train.kernels.fp8; torchao: torchao.float8's Float8Linear (needs torchao installed)",
+    )
+    fp8_amax_history: int = setting(
+        16, "delayed scaling: steps of amax history a scale is taken from", _within(1, 1024)
+    )
+    fp8_margin: int = setting(0, "delayed scaling: 2^margin of headroom above the amax", _within(0, 8))
+    warmup_iters: int = setting(
+        0,
+        "training steps run on synthetic batches before run_start (compile, graphs), weights restored after",
+        _at_least(0),
+    )
+    warmup_latent_size: int = setting(
+        32,
+        "the warm-up batches' latent side; it should match the data's (32 for 256x256 images) so compile does not "
+        "run again",
+        PATCHABLE,
+    )
 
 
 @dataclass
 class PreflightConfig:
-    # per-node checks and an all-reduce bandwidth probe before init_start (flux_train/training/preflight.py); the
-    # submitter turns it on for Slurm runs
-    enabled: bool = False
-    gpu_name: str = ""  # a substring every GPU's name must contain, e.g. H200; empty: any
-    # in the checkpoint and log folders; unset (null): what the plan says the checkpoints need,
-    # checkpoint.keep + 1 checkpoints of this model and layout (flux_train.training.checkpoint.checkpoint_disk_gb)
-    min_free_disk_gb: Optional[float] = None
-    min_bus_bandwidth_gbps: float = 0.0  # all-reduce bus bandwidth over all ranks
-    probe_mb: int = 256
+    enabled: bool = setting(
+        False,
+        "per-node checks and an all-reduce bandwidth probe before init_start (flux_train/training/preflight.py); the "
+        "submitter turns it on for Slurm runs",
+    )
+    gpu_name: str = setting("", "a substring every GPU's name must contain, e.g. H200; empty: any", may_be_empty=True)
+    min_free_disk_gb: Optional[float] = setting(
+        None,
+        "free disk needed in the checkpoint and log folders; unset (null): what the plan says the checkpoints need, "
+        "checkpoint.keep + 1 checkpoints of this model and layout (flux_train.training.checkpoint.checkpoint_disk_gb)",
+        _at_least(0),
+    )
+    min_bus_bandwidth_gbps: float = setting(
+        0.0, "the least all-reduce bus bandwidth over all ranks, GB/s (0: any)", _at_least(0)
+    )
+    probe_mb: int = setting(256, "the size of the bandwidth probe's all-reduce, MB", POSITIVE)
 
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = None
-    every_steps: int = 0
-    keep: int = 2
-    resume: str = "auto"  # auto | none | <path>
-    # write checkpoints in the background: a save costs training only the copy to host memory
-    async_save: bool = False
-    # save the state a run ends with (an eval at the target, or train.max_steps), after run_stop: what export, samples
-    # and a longer run start from; false: none (a diverged run never saves its non-finite state)
-    final: bool = True
+    dir: Optional[str] = setting(None, "the checkpoint folder; default <logging.out_dir>/checkpoints")
+    every_steps: int = setting(0, "a checkpoint every this many steps; 0: none on a cadence", _at_least(0))
+    keep: int = setting(2, "the newest checkpoints kept; older ones are removed", _at_least(1))
+    resume: str = setting(
+        "auto",
+        "auto: the newest checkpoint in dir that reads back whole; none: start over; else a step_XXXXXXXX folder",
+    )
+    async_save: bool = setting(
+        False, "write checkpoints in the background: a save costs training only the copy to host memory"
+    )
+    final: bool = setting(
+        True,
+        "save the state a run ends with (an eval at the target, or train.max_steps), after run_stop: what export, "
+        "samples and a longer run start from; false: none (a diverged run never saves its non-finite state)",
+    )
 
 
 @dataclass
 class LoggingConfig:
-    out_dir: str = "runs/flux"
-    log_every: int = 10
-    progress_bar: bool = True
-    tensorboard: bool = False
-    mllog_file: str = "mllog.log"
-    # MLLOG lines also on stdout (the system configs set it: the MLPerf recipes print them in the job log)
-    mllog_stdout: bool = False
-    submission_org: str = "flux-train"
-    submission_platform: str = "unknown"
-    submission_division: Literal["closed", "open"] = "closed"
-    submission_status: str = "onprem"
-    submission_poc_name: str = ""
-    submission_poc_email: str = ""
+    out_dir: str = setting(
+        "runs/flux",
+        "the run folder: mllog.log, metrics.jsonl, config.yaml, report.png, samples, by default the checkpoints",
+    )
+    log_every: int = setting(
+        10,
+        "steps between metrics lines (and host syncs: the non-finite check, stop votes, the preemption signal)",
+        POSITIVE,
+    )
+    progress_bar: bool = setting(True, "a progress bar on stderr, when it is a terminal")
+    tensorboard: bool = setting(False, "also write the metrics to <out_dir>/tensorboard (needs tensorboard installed)")
+    mllog_file: str = setting("mllog.log", "the MLPerf log's file name in out_dir")
+    mllog_stdout: bool = setting(
+        False,
+        "MLLOG lines also on stdout (the system configs set it: the MLPerf recipes print them in the job log)",
+    )
+    submission_org: str = setting("flux-train", "MLLOG's submission_org")
+    submission_platform: str = setting("unknown", "MLLOG's submission_platform: the system's name")
+    submission_division: Literal["closed", "open"] = setting("closed", "MLLOG's submission_division")
+    submission_status: str = setting("onprem", "MLLOG's submission_status")
+    submission_poc_name: str = setting("", "MLLOG's submission_poc_name", may_be_empty=True)
+    submission_poc_email: str = setting("", "MLLOG's submission_poc_email", may_be_empty=True)
 
 
 @dataclass
 class SlurmConfig:
-    nodes: int = 1
-    # GPUs per node = workers per node (CPU worker processes on a CPU-only run)
-    gpus_per_node: int = 8
-    cpus_per_task: int = 0  # 0: Slurm's default
-    mem_gb: int = 0  # 0: all of the node's memory (--mem=0)
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    time_min: int = 240
-    job_name: str = "flux-train"
-    # submitit's folder (pickles, per-node logs); %j is the job id; must be visible from every node
-    folder: str = "runs/submitit/%j"
-    # Slurm sends USR2 this long before the time limit: logging.log_every steps (workers act at the next logging
-    # step) + a checkpoint save + slack (flux_train/training/preemption.py)
-    signal_delay_s: int = 120
-    # the job requeues itself at most this many times (preemptions and time limits alike)
-    max_requeue: int = 10
-    exclusive: bool = True
-    # nodes Slurm must not use, in Slurm's hostlist syntax (n[3,7]): the pre-flight names the ones that fail
-    exclude: str = ""
-    # extra `#SBATCH --key=value` lines (value true = a bare flag)
-    additional: dict[str, str] = field(default_factory=dict)
+    nodes: int = setting(1, "nodes of the job (--nodes)", _at_least(1))
+    gpus_per_node: int = setting(
+        8, "GPUs per node = workers per node (CPU worker processes on a CPU-only run)", _at_least(1)
+    )
+    cpus_per_task: int = setting(0, "CPUs of each node's task; 0: Slurm's default", _at_least(0))
+    mem_gb: int = setting(0, "memory per node; 0: all of the node's memory (--mem=0)", _at_least(0))
+    partition: Optional[str] = setting(None, "Slurm partition (--partition); unset: the cluster's default")
+    account: Optional[str] = setting(None, "Slurm account (--account); unset: the user's default")
+    qos: Optional[str] = setting(None, "Slurm QOS (--qos); unset: the default")
+    time_min: int = setting(240, "the job's time limit in minutes (--time)", _at_least(1))
+    job_name: str = setting("flux-train", "the job's name (--job-name)")
+    folder: str = setting(
+        "runs/submitit/%j",
+        "submitit's folder (pickles, per-node logs); %j is the job id; must be visible from every node",
+    )
+    signal_delay_s: int = setting(
+        120,
+        "Slurm sends USR2 this long before the time limit: logging.log_every steps (workers act at the next logging "
+        "step) + a checkpoint save + slack (flux_train/training/preemption.py)",
+        POSITIVE,
+    )
+    max_requeue: int = setting(
+        10, "the job requeues itself at most this many times (preemptions and time limits alike)", _at_least(0)
+    )
+    exclusive: bool = setting(True, "whole nodes (--exclusive)")
+    exclude: str = setting(
+        "",
+        "nodes Slurm must not use, in Slurm's hostlist syntax (n[3,7]): the pre-flight names the ones that fail",
+        may_be_empty=True,
+    )
+    additional: dict[str, str] = setting({}, "extra `#SBATCH --key=value` lines (value true = a bare flag)")
 
 
 @dataclass
 class ContainerConfig:
-    runtime: Literal["none", "pyxis", "apptainer", "docker", "podman"] = "none"
-    # pyxis: a registry image or a squashfs path starting with / or ./; apptainer: a .sif; docker/podman: a tag
-    image: Optional[str] = None
-    # "SRC", "SRC:DST" or "SRC:DST:ro"; the submit directory and submitit's folder are added automatically
-    mounts: list[str] = field(default_factory=list)
-    # working directory inside the container; default: the submit directory, mounted at the same path
-    workdir: Optional[str] = None
-    # the image's Python; /usr/bin/env resolves it inside the image (pyxis checks the path on the host first)
-    python: str = "/usr/bin/env python3"
-    # docker/podman only (pyxis and apptainer pass the whole environment): extra variable names to pass in
-    env: list[str] = field(default_factory=list)
-    # docker/podman only (apptainer and pyxis keep the node's limits): NAME: SOFT[:HARD] (-1: unlimited) on top
-    # of memlock: -1:-1; an engine without CAP_SYS_RESOURCE cannot go above the node's hard limits
-    ulimits: dict[str, str] = field(default_factory=dict)
-    # GPU passthrough options; null: from env.profile (nvidia: docker --gpus=all, podman CDI
-    # --device=nvidia.com/gpu=all, apptainer --nv; amd: /dev/kfd and /dev/dri, apptainer --rocm); [] for none
-    gpu_args: Optional[list[str]] = None
-    extra_args: list[str] = field(default_factory=list)
+    runtime: Literal["none", "pyxis", "apptainer", "docker", "podman"] = setting(
+        "none", "the container each node's agent runs in; none: the submit host's Python on each node"
+    )
+    image: Optional[str] = setting(
+        None,
+        "pyxis: a registry image or a squashfs path starting with / or ./; apptainer: a .sif; docker/podman: a tag",
+    )
+    mounts: list[str] = setting(
+        [], '"SRC", "SRC:DST" or "SRC:DST:ro"; the submit directory and submitit\'s folder are added automatically'
+    )
+    workdir: Optional[str] = setting(
+        None, "working directory inside the container; default: the submit directory, mounted at the same path"
+    )
+    python: str = setting(
+        "/usr/bin/env python3",
+        "the image's Python; /usr/bin/env resolves it inside the image (pyxis checks the path on the host first)",
+    )
+    env: list[str] = setting(
+        [],
+        "docker/podman only (pyxis and apptainer pass the whole environment): extra variable names to pass in",
+    )
+    ulimits: dict[str, str] = setting(
+        {},
+        "docker/podman only (apptainer and pyxis keep the node's limits): NAME: SOFT[:HARD] (-1: unlimited) on top of "
+        "memlock: -1:-1; an engine without CAP_SYS_RESOURCE cannot go above the node's hard limits",
+    )
+    gpu_args: Optional[list[str]] = setting(
+        None,
+        "GPU passthrough options; null: from env.profile (nvidia: docker --gpus=all, podman CDI "
+        "--device=nvidia.com/gpu=all, apptainer --nv; amd: /dev/kfd and /dev/dri, apptainer --rocm); [] for none",
+    )
+    extra_args: list[str] = setting(
+        [], "more options for the engine's run command (apptainer exec, docker/podman run) or, with pyxis, srun"
+    )
 
 
 @dataclass
 class EnvConfig:
-    # slurm/env/<profile>.env: NCCL (nvidia) or RCCL/HSA (amd) defaults; variables already set in the job win
-    profile: Literal["none", "nvidia", "amd"] = "none"
-    # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME; "auto" = the interface of the default route
-    socket_ifname: Optional[str] = None
-    ib_hca: Optional[str] = None  # NCCL_IB_HCA
-    # c10d rendezvous port on the job's first host; 0 = derived from the job id
-    master_port: int = 29500
-    # node-local scratch for compile caches and worker logs; default $TMPDIR or /tmp
-    local_dir: Optional[str] = None
-    runtime_tunables: bool = False  # run slurm/runtime_tunables.sh once per node before the workers
-    vars: dict[str, str] = field(default_factory=dict)
-    # more variable names (fnmatch patterns, any case) whose values are masked in logs, --dry-run and the run's
-    # config.yaml, on top of *TOKEN*, *KEY*, *SECRET*, *PASSWORD*, *PASSWD*, *CREDENTIAL* (flux_train/masking.py)
-    masked_vars: list[str] = field(default_factory=list)
+    profile: Literal["none", "nvidia", "amd"] = setting(
+        "none",
+        "slurm/env/<profile>.env: NCCL (nvidia) or RCCL/HSA (amd) defaults; variables already set in the job win",
+    )
+    socket_ifname: Optional[str] = setting(
+        None, 'NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME; "auto" = the interface of the default route'
+    )
+    ib_hca: Optional[str] = setting(None, "NCCL_IB_HCA")
+    master_port: int = setting(
+        29500, "c10d rendezvous port on the job's first host; 0 = derived from the job id", _within(0, 65535)
+    )
+    local_dir: Optional[str] = setting(
+        None, "node-local scratch for compile caches and worker logs; default $TMPDIR or /tmp"
+    )
+    runtime_tunables: bool = setting(False, "run slurm/runtime_tunables.sh once per node before the workers")
+    vars: dict[str, str] = setting(
+        {}, "more environment variables for each node's agent and workers, over the profile's; the job's own win"
+    )
+    masked_vars: list[str] = setting(
+        [],
+        "more variable names (fnmatch patterns, any case) whose values are masked in logs, --dry-run and the run's "
+        "config.yaml, on top of *TOKEN*, *KEY*, *SECRET*, *PASSWORD*, *PASSWD*, *CREDENTIAL* (flux_train/masking.py)",
+    )
 
 
 @dataclass
@@ -425,6 +632,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin in (list, dict):
         return repr(tp).replace("typing.", "")
+    if tp is type(None):  # an optional key's unset value, as YAML writes it
+        return "null"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -493,77 +702,58 @@ def _build(cls: type, data: Any, path: str) -> Any:
     return cls(**kwargs)
 
 
-def _at_least(low: float) -> tuple[str, Callable[[Any], bool]]:
-    return f">= {low}", lambda v: v >= low
+@dataclass(frozen=True)
+class Key:
+    """One config key, as its field declares it (`setting`)."""
+
+    name: str  # section.key
+    type: Any
+    default: Any
+    help: str
+    accepts: Accepts | None
+    may_be_empty: bool
+
+    def accepted(self) -> str:
+        """Its type, and its range where it has one."""
+        return f"{_type_name(self.type)}, {self.accepts[0]}" if self.accepts else _type_name(self.type)
+
+    def default_text(self) -> str:
+        """The default as a YAML value (JSON is YAML: null, true, "text", [16, 56, 56])."""
+        return json.dumps(self.default)
 
 
-def _within(low: float, high: float) -> tuple[str, Callable[[Any], bool]]:
-    return f"in [{low}, {high}]", lambda v: low <= v <= high
+def keys() -> list[Key]:
+    """Every key, in the order of the sections and their fields."""
+    found = []
+    for section, cls in typing.get_type_hints(Config).items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            found.append(Key(f"{section}.{f.name}", hints[f.name], default, **f.metadata))
+    return found
 
 
-POSITIVE = ("> 0", lambda v: v > 0)
-BELOW_ONE = ("in [0, 1)", lambda v: 0 <= v < 1)  # an AdamW beta of 1 divides by zero in its bias correction
-AUTO_OR_POSITIVE = ("-1 (auto) or >= 1", lambda v: v == -1 or v >= 1)
-
-# what each number accepts (0 where the key's comment gives it a meaning: off, unset, none)
-RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "model.num_layers": _at_least(0),
-    "model.num_single_layers": _at_least(0),
-    "model.attention_head_dim": POSITIVE,
-    "model.num_attention_heads": POSITIVE,
-    "model.joint_attention_dim": POSITIVE,
-    "model.pooled_projection_dim": POSITIVE,
-    "model.in_channels": POSITIVE,
-    "data.num_workers": _at_least(0),
-    "data.shuffle_buffer_size": _at_least(0),
-    "data.max_samples_per_sequence": _at_least(0),
-    "data.synthetic_train_samples": POSITIVE,
-    "data.synthetic_val_samples": POSITIVE,
-    "data.synthetic_text_len": POSITIVE,
-    "train.global_batch_size": POSITIVE,
-    "train.micro_batch_size": POSITIVE,
-    "train.lr": POSITIVE,
-    "train.warmup_steps": _at_least(0),
-    "train.max_steps": POSITIVE,
-    "train.seed": _within(0, 2**32 - 1),
-    "train.caption_dropout_prob": _within(0, 1),
-    "train.adam_beta1": BELOW_ONE,
-    "train.adam_beta2": BELOW_ONE,
-    "train.adam_eps": POSITIVE,
-    "train.weight_decay": _at_least(0),
-    "train.grad_clip_norm": POSITIVE,
-    "train.latent_scale": POSITIVE,
-    "train.inject_nan_at_step": _at_least(0),
-    "eval.every_samples": POSITIVE,
-    "eval.every_steps": _at_least(0),
-    "eval.target": _at_least(0),
-    "eval.batch_size": POSITIVE,
-    "parallel.dp_shard": AUTO_OR_POSITIVE,
-    "parallel.dp_replicate": AUTO_OR_POSITIVE,
-    "parallel.timeout_s": _within(10, 7 * 24 * 3600),  # seconds; a week is longer than any job
-    "parallel.exit_timeout_s": _within(1, 3600),
-    "perf.warmup_iters": _at_least(0),
-    "perf.fp8_amax_history": _within(1, 1024),  # steps
-    "perf.fp8_margin": _within(0, 8),  # powers of two of headroom
-    "preflight.min_free_disk_gb": _at_least(0),
-    "preflight.min_bus_bandwidth_gbps": _at_least(0),
-    "preflight.probe_mb": POSITIVE,
-    "checkpoint.every_steps": _at_least(0),
-    "checkpoint.keep": _at_least(1),
-    "logging.log_every": POSITIVE,
-    "slurm.nodes": _at_least(1),
-    "slurm.gpus_per_node": _at_least(1),
-    "slurm.cpus_per_task": _at_least(0),
-    "slurm.mem_gb": _at_least(0),
-    "slurm.time_min": _at_least(1),
-    "slurm.signal_delay_s": POSITIVE,
-    "slurm.max_requeue": _at_least(0),
-    "env.master_port": _within(0, 65535),
-}
-
-# strings an empty value means something for; any other key given one (what an unset shell variable gives:
-# --set data.path=$DATA) is refused rather than read as unset (null unsets a key)
-MAY_BE_EMPTY = {"preflight.gpu_name", "slurm.exclude", "logging.submission_poc_name", "logging.submission_poc_email"}
+def keys_help() -> str:
+    """Every key, what it takes, its default and what it does (`--help-config`; docs/config.md is the same table)."""
+    lines = [
+        "Every config key: what it takes, its default (the files in configs/ set others) and what it does. Set one in",
+        "a config file's section or with --set SECTION.KEY=VALUE (a YAML value). The same table: docs/config.md.",
+    ]
+    section = None
+    for key in keys():
+        if key.name.split(".")[0] != section:
+            section = key.name.split(".")[0]
+            lines.append("")
+        lines.append(f"{key.name}  {key.accepted()}  (default {key.default_text()})")
+        lines += textwrap.wrap(
+            key.help,
+            116,
+            initial_indent="    ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+    return "\n".join(lines)
 
 
 def _values(cfg: Config) -> dict[str, Any]:
@@ -584,15 +774,19 @@ def validate(cfg: Config, world_size: int | None = None, gpus_per_node: int | No
         if not ok:
             raise ConfigError(msg)
 
-    values = _values(cfg)
-    for key, value in values.items():
+    values, declared = _values(cfg), keys()
+    for key in declared:
+        value = values[key.name]
         if not isinstance(value, str):
             continue
-        need(value.strip() or key in MAY_BE_EMPTY, f"{key}: empty; give a value, or null to leave it unset")
+        need(bool(value.strip()) or key.may_be_empty, f"{key.name}: empty; give a value, or null to leave it unset")
         # a newline or NUL in a path splits every message naming it and fails deep in the OS calls
-        need(value.isprintable(), f"{key}: {value!r} holds a control character (a newline, a tab, NUL, ...)")
-    for key, (accepted, ok) in RANGES.items():  # None: an optional setting left unset
-        need(values[key] is None or ok(values[key]), f"{key}: must be {accepted}, got {values[key]}")
+        need(value.isprintable(), f"{key.name}: {value!r} holds a control character (a newline, a tab, NUL, ...)")
+    for key in declared:
+        value = values[key.name]
+        if key.accepts and value is not None:  # None: an optional setting left unset
+            accepted, ok = key.accepts
+            need(ok(value), f"{key.name}: must be {accepted}, got {value}")
     need(m.num_layers + m.num_single_layers > 0, "model: num_layers + num_single_layers must be >= 1")
     need(
         all(d > 0 and d % 2 == 0 for d in m.axes_dims_rope),
@@ -630,11 +824,6 @@ def validate(cfg: Config, world_size: int | None = None, gpus_per_node: int | No
         cfg.perf.fp8 != "delayed" or cfg.perf.fp8_impl == "ours",
         "perf.fp8=delayed: torchao's Float8Linear has no delayed scaling; set perf.fp8_impl=ours",
     )
-    for key in ("perf.warmup_latent_size", "data.synthetic_latent_size"):
-        need(
-            values[key] > 0 and values[key] % 2 == 0,
-            f"{key}: must be a positive even number (2x2 patches), got {values[key]}",
-        )
     need(
         not cfg.eval.sample_prompts or cfg.eval.sample_weights,
         "eval.sample_prompts needs eval.sample_weights: a local FLUX.1-schnell folder with vae/ and the text encoders",

@@ -57,7 +57,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
     def add_overrides(self) -> None:
-        """`--set SECTION.KEY=VALUE` (repeatable) into `overrides`, as every command that reads a config takes it."""
+        """`--set SECTION.KEY=VALUE` (repeatable) into `overrides`, and `--help-config` listing the keys, as every
+        command that reads a config takes them."""
         self.add_argument(
             "--set",
             dest="overrides",
@@ -65,8 +66,26 @@ class Parser(argparse.ArgumentParser):
             default=[],
             type=assignment,
             metavar="SECTION.KEY=VALUE",
-            help="override one config value; repeatable",
+            help="override one config value; repeatable (the keys: --help-config)",
         )
+        self.add_argument(
+            "--help-config",
+            action=PrintConfigKeys,
+            help="print every config key with its type, default and help, and exit",
+        )
+
+
+class PrintConfigKeys(argparse.Action):
+    """`--help-config`: answered during parsing, as --help is, before the command's other flags are checked."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from flux_train.config import keys_help  # here: flux_train.config imports this module
+
+        print(keys_help())
+        parser.exit()
 
 
 def assignment(text: str) -> str:

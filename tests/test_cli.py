@@ -17,6 +17,7 @@ from dataprep import progress
 from dataprep.__main__ import main as dataprep
 from dataprep.extras import EXTRA
 from flux_train.cluster import launch, submit
+from flux_train.config import keys
 from flux_train.outputs import results
 from flux_train.tools import bench, plan, reduce_precision
 from flux_train.training import checkpoint, sample, train
@@ -390,6 +391,30 @@ def test_help_answers_before_torch_is_imported(command):
     done = python_m(command, ["--help"], after="print('torch imported:', 'torch' in sys.modules)")
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
     assert done.stdout.splitlines()[-1] == "torch imported: False"
+
+
+# every command that takes --set (and with it --help-config), with the words that lead to that parser
+CONFIG_COMMANDS = [
+    ("python -m flux_train.train", []),
+    ("python -m flux_train.submit", []),
+    ("python -m flux_train.bench", []),
+    ("python -m flux_train.plan", []),
+    ("python -m flux_train.checkpoint", ["export"]),
+]
+
+
+@pytest.mark.parametrize("command,argv", CONFIG_COMMANDS, ids=[" ".join([c, *a]) for c, a in CONFIG_COMMANDS])
+def test_help_config_lists_every_key_before_torch_is_imported(command, argv):
+    """Every key with what it takes, its default and its whole help, answered before torch loads (as --help) and
+    before the command's required flags are missed."""
+    done = python_m(command, [*argv, "--help-config"], after="print('torch imported:', 'torch' in sys.modules)")
+    *listing, last = done.stdout.splitlines()
+    assert done.returncode == 0 and last == "torch imported: False", done.stderr
+    words = " ".join(" ".join(listing).split())
+    for key in keys():
+        assert f"{key.name}  {key.accepted()}  (default {key.default_text()})" in listing
+        assert " ".join(key.help.split()) in words, key.name
+    assert len(keys()) > 100
 
 
 # after `pip install -e .` without the extra that brings a command's package: here the package is made unimportable

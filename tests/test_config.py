@@ -1,6 +1,12 @@
+import os
+from pathlib import Path
+
 import pytest
 
-from flux_train.config import ConfigError, eval_interval_steps, load_config, validate
+from flux_train.config import ConfigError, eval_interval_steps, keys, load_config, validate
+
+CONFIG_DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+GENERATED = "<!-- generated from flux_train/config.py: everything below -->\n"
 
 
 def write(tmp_path, name, text):
@@ -125,6 +131,8 @@ def test_layout_and_graph_combinations_that_cannot_work_are_refused(tmp_path, ov
         ("env.master_port=70000", "env.master_port: must be in [0, 65535], got 70000"),
         ("data.num_workers=-2", "data.num_workers: must be >= 0, got -2"),
         ("model.axes_dims_rope=[2, 7, 7]", "model.axes_dims_rope: every axis must be a positive even number"),
+        ("perf.warmup_latent_size=7", "perf.warmup_latent_size: must be a positive even number (2x2 patches), got 7"),
+        ("data.synthetic_latent_size=0", "data.synthetic_latent_size: must be a positive even number (2x2 patches)"),
         ("train.lr=*x", "--set 'train.lr=*x': line 1: an alias (*name); write the value out instead"),
         ('logging.out_dir="/tmp/a\\nb"', "logging.out_dir: '/tmp/a\\nb' holds a control character"),
     ],
@@ -172,3 +180,33 @@ def test_a_config_file_that_is_not_a_config_is_refused_in_one_line_fast(tmp_path
         load_config(path)
     assert time.perf_counter() - t0 < 5
     assert str(err.value).startswith(f"{path}: {message}") and "\n" not in str(err.value), str(err.value)
+
+
+def markdown(text: str) -> str:
+    """Help text as a Markdown table cell shows it as written: | would end the cell, <name> would be read as an HTML
+    tag, *TOKEN* as emphasis."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace("*", "\\*")
+
+
+def key_tables() -> str:
+    """docs/config.md's generated part: a table per section, a row per key, from the fields."""
+    lines, section = [], None
+    for key in keys():
+        if key.name.split(".")[0] != section:
+            section = key.name.split(".")[0]
+            lines += ["", f"## {section}", "", "| key | type | default | what it does |", "|---|---|---|---|"]
+        cells = [f"`{key.name}`", markdown(key.accepted()), f"`{key.default_text()}`", markdown(key.help)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def test_config_md_shows_every_key_as_its_field_declares_it():
+    """docs/config.md below its marker is the tables made from the fields now; FLUX_DOCS_REGENERATE=1 rewrites it."""
+    intro, marker, generated = CONFIG_DOC.read_text().partition(GENERATED)
+    assert marker, f"{CONFIG_DOC} has lost its line {GENERATED.strip()}"
+    if os.environ.get("FLUX_DOCS_REGENERATE"):
+        CONFIG_DOC.write_text(intro + marker + key_tables())
+        generated = key_tables()
+    assert generated == key_tables(), (
+        "docs/config.md differs from flux_train/config.py (FLUX_DOCS_REGENERATE=1 rewrites it)"
+    )

@@ -1,10 +1,13 @@
 """Every reference in the repository resolves inside it: relative links, file paths named in code, configs and
 docs, and `README "Section"` / `docs/x.md ("Section")` references; nothing points at documents outside it: no path
 climbs out of the repository, and every Markdown document named is one of the repository's (docs/architecture.md,
-"The repository stands alone")."""
+"The repository stands alone"). And the imports docs/architecture.md allows: flux_train's groups only downwards,
+dataprep nothing of flux_train."""
 
+import ast
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,26 +104,80 @@ COMMANDS = {"train", "submit", "bench", "plan", "sample", "results", "checkpoint
 
 def group_of(module: str) -> str:
     parts = module.split(".")[1:]  # after flux_train
-    if len(parts) > 1 and parts[0] in GROUPS:
+    if parts and parts[0] in GROUPS:
         return parts[0]
-    if parts and parts[0] == "kernels":
-        return "kernels"
     return "commands" if parts and parts[0] in COMMANDS else "base"
 
 
-def test_groups_import_only_downwards():
-    import ast
+def module_name(path: Path, top: Path) -> str:
+    """flux_train/model/flux.py under `top` -> flux_train.model.flux (a package: its __init__'s folder)."""
+    return ".".join(path.relative_to(top).with_suffix("").parts).removesuffix(".__init__")
 
+
+def flux_train_imports(path: Path, top: Path) -> list[str]:
+    """What the file at `path` (a module under `top`) imports from flux_train, anywhere in it (a function's import
+    too): `from X import y` as X.y, y being a module or a name in X; a relative import resolved first."""
+    module = module_name(path, top)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join([*package[: len(package) - node.level + 1], *([node.module] if node.module else [])])
+            found += [f"{base if node.level else node.module}.{a.name}" for a in node.names]
+    return [name for name in found if name.split(".")[0] == "flux_train"]
+
+
+def upward_imports(top: Path) -> list[str]:
+    """Every import in top/flux_train that goes up the groups."""
     upward = []
-    for path in sorted((ROOT / "flux_train").rglob("*.py")):
-        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("flux_train"):
-                names = [f"{node.module}.{a.name}" if node.module == "flux_train" else node.module for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names if a.name.startswith("flux_train")]
-            for name in names:
-                if GROUPS.index(group_of(name)) > GROUPS.index(group_of(module)):
-                    upward.append(f"{module} ({group_of(module)}) imports {name} ({group_of(name)})")
-    assert not upward, "\n".join(upward)
+    for path in sorted((top / "flux_train").rglob("*.py")):
+        module = module_name(path, top)
+        for name in flux_train_imports(path, top):
+            if GROUPS.index(group_of(name)) > GROUPS.index(group_of(module)):
+                upward.append(f"{module} ({group_of(module)}) imports {name} ({group_of(name)})")
+    return upward
+
+
+def test_groups_import_only_downwards():
+    assert upward_imports(ROOT) == []
+
+
+def test_the_group_check_finds_an_upward_import(tmp_path):
+    """A planted tree: an import up the groups is reported however it is written; one down or sideways is not."""
+    planted = {
+        "__init__.py": "",
+        "config.py": "import flux_train.train\n",
+        "model/__init__.py": "",
+        "model/flux.py": "from flux_train.training.train import Trainer\n",
+        "model/flow.py": "def later():\n    from flux_train.training import train\n",
+        "model/adapter.py": "from ..cluster import submit\n",
+        "model/fine.py": "import flux_train.model.flux\nfrom flux_train import config\nfrom . import flow\n",
+        "training/__init__.py": "from flux_train.kernels import rmsnorm\nfrom flux_train.model import flux\n",
+    }
+    for name, text in planted.items():
+        (tmp_path / "flux_train" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "flux_train" / name).write_text(text)
+    assert upward_imports(tmp_path) == [
+        "flux_train.config (base) imports flux_train.train (commands)",
+        "flux_train.model.adapter (model) imports flux_train.cluster.submit (cluster)",
+        "flux_train.model.flow (model) imports flux_train.training.train (training)",
+        "flux_train.model.flux (model) imports flux_train.training.train.Trainer (training)",
+    ]
+
+
+def test_dataprep_imports_nothing_from_flux_train():
+    """flux_train imports dataprep, not the other way (docs/architecture.md): no file of dataprep names flux_train in an
+    import, and importing every module of it, `python -m dataprep`'s first, loads none of flux_train."""
+    assert {p.name: flux_train_imports(p, ROOT) for p in sorted((ROOT / "dataprep").glob("*.py"))} == {
+        p.name: [] for p in sorted((ROOT / "dataprep").glob("*.py"))
+    }
+    code = (
+        "import importlib, pkgutil, sys, dataprep.__main__\n"
+        "for found in pkgutil.iter_modules(dataprep.__path__):\n"
+        "    importlib.import_module('dataprep.' + found.name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'flux_train'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "[]\n", done.stdout + done.stderr

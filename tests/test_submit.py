@@ -680,3 +680,27 @@ def test_sbatch_without_a_slurm_configuration_is_not_blamed_on_partition_or_acco
     assert "no Slurm configuration" in line and "--local" in line and "--dry-run" in line
     assert "--partition" not in line and "--account" not in line
     assert "--partition" in sub.sbatch_refusal("sbatch: error: Invalid account or account/partition combination")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden" / "submit_dry_run_H200_08x08.txt"
+
+
+def test_the_dry_run_of_a_system_is_the_reviewed_one(capsys, tmp_path, monkeypatch):
+    """H200_08x08's dry run (8 nodes of pyxis, ddp), with the config's own values, is tests/golden/'s copy: a change to
+    the summary, the batch script, the node command, its environment or the worker line shows in that file's diff.
+    What depends on the host is replaced: the submit directory (here a scratch folder) and the repository; node-local
+    scratch is /tmp (no TMPDIR). FLUX_GOLDEN_REGENERATE=1 rewrites the copy."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TMPDIR", raising=False)
+    assert sub.main(["--config", str(ROOT / "configs/systems/H200_08x08.yaml"), "--dry-run"]) == 0
+    plan, shown = capsys.readouterr().out.split("\n", 1)
+    # the plan line follows measured.yaml's figures: test_plan.py and docs/operating.md's examples check it
+    assert plan.startswith("# plan (H200 x 64, ddp bf16")
+    shown = shown.replace(str(tmp_path), "<submit dir>").replace(str(ROOT), "<repository>")
+    if os.environ.get("FLUX_GOLDEN_REGENERATE"):
+        GOLDEN.write_text(shown)
+    assert shown.splitlines() == GOLDEN.read_text().splitlines(), (
+        f"the dry run differs from {GOLDEN.relative_to(ROOT)}: if the change is meant, FLUX_GOLDEN_REGENERATE=1 "
+        "rewrites it, and the diff is reviewed with the change"
+    )
