@@ -108,7 +108,7 @@ class EvalConfig:
     batch_size: int = 16
     enabled: bool = True
     # a file of prompts (one a line): after each eval's MLLOG events rank 0 writes <out_dir>/samples/step_N.png, one
-    # 256x256 image per prompt (flux_train/training/sample.py; the last eval's after run_stop). Off by default: the grids of
+    # 256x256 image per prompt (flux_train/tools/sample.py; the last eval's after run_stop). Off by default: the grids of
     # the other evals take time between run_start and run_stop. Needs sample_weights: a local FLUX.1-schnell folder
     # (vae/, text_encoder/, tokenizer/, text_encoder_2/, tokenizer_2/)
     sample_prompts: Optional[str] = None
