@@ -210,7 +210,7 @@ class EvalConfig:
     sample_prompts: Optional[str] = setting(
         None,
         "a file of prompts (one a line): after each eval's MLLOG events rank 0 writes <out_dir>/samples/step_N.png, "
-        "one 256x256 image per prompt (flux_train/training/sample.py; the last eval's after run_stop). Off by "
+        "one 256x256 image per prompt (flux_train/tools/sample.py; the last eval's after run_stop). Off by "
         "default: the grids of the other evals take time between run_start and run_stop. Needs sample_weights",
     )
     sample_weights: Optional[str] = setting(

@@ -36,12 +36,12 @@ def raise_on_every_rank(error: UserError, is_main: bool) -> NoReturn:
 
 
 def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
-    """Wrap a command's main(argv): a UserError becomes '<label>: <message>' on stderr and its exit code."""
+    """Wrap a command's main(argv, ...): a UserError becomes '<label>: <message>' on stderr and its exit code."""
 
     @functools.wraps(main)
-    def wrapped(argv=None) -> int:
+    def wrapped(argv=None, **parts) -> int:
         try:
-            return main(argv)
+            return main(argv, **parts)
         except UserError as exc:
             print(f"{exc.label}: {exc}" if exc.label else str(exc), file=sys.stderr, flush=True)
             return exc.exit_code

@@ -1,9 +1,11 @@
-"""`python -m flux_train.train`: the command of flux_train.training.train (kept where users type it)."""
+"""`python -m flux_train.train`: the command of flux_train.training.train (kept where users type it). It hands the
+trainer the sampler of eval.sample_prompts (flux_train.tools.sample), which training may not import."""
 
 from flux_train.cli import train_parser
 
 if __name__ == "__main__":
     train_parser().parse_args()  # --help and a bad flag are answered here, before flux_train.training.train loads
+    from flux_train.tools.sample import Sampler
     from flux_train.training.train import main
 
-    raise SystemExit(main())
+    raise SystemExit(main(sampler=Sampler.for_run))

@@ -25,7 +25,7 @@ def train_command(out: Path, *args: str, config: str = "configs/debug.yaml", npr
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*launcher, "-m", "flux_train.training.train", "--config", config, "--set", f"logging.out_dir={out}", *args]
+    return [*launcher, "-m", "flux_train.train", "--config", config, "--set", f"logging.out_dir={out}", *args]
 
 
 def train(out: Path, *args: str, config: str = "configs/debug.yaml", nproc: int = 1, timeout: float = 600):

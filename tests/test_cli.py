@@ -19,8 +19,8 @@ from dataprep.extras import EXTRA
 from flux_train.cluster import launch, submit
 from flux_train.config import keys
 from flux_train.outputs import results
-from flux_train.tools import bench, plan, reduce_precision
-from flux_train.training import checkpoint, sample, train
+from flux_train.tools import bench, plan, reduce_precision, sample
+from flux_train.training import checkpoint, train
 
 ROOT = Path(__file__).resolve().parent.parent
 

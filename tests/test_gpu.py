@@ -216,6 +216,7 @@ def test_fp8_delayed_blocks_compiled_and_graphed_match_eager():
         assert (history[:, :, :3] > 0).all(), mode  # every layer and operand recorded each step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
     """perf.cuda_graphs (ddp layout, compiled blocks, accumulation 3, the whole step in one graph: on 2 GPUs with

@@ -128,11 +128,13 @@ def debug_checkpoint(tmp_path_factory):
     return sum(f.stat().st_size for f in folder.glob("*.distcp"))
 
 
+@pytest.mark.slow  # the fixture trains
 def test_checkpoint_size_is_what_the_trainer_writes(debug_checkpoint):
     cfg = load_config("configs/debug.yaml", DEBUG_DDP)
     assert checkpoint_bytes(cfg) == pytest.approx(debug_checkpoint, rel=0.03)  # DCP adds a header per tensor
 
 
+@pytest.mark.slow  # the fixture trains
 def test_preflight_disk_floor_follows_checkpoint_keep(debug_checkpoint, tmp_path, monkeypatch):
     """Unset, the floor is checkpoint.keep + 1 checkpoints: room for 3 passes keep 1 and fails keep 3; an explicit
     floor still rules."""

@@ -317,6 +317,7 @@ def test_the_eta_counts_down_to_the_next_eval_and_where_the_reference_converged(
     assert eta.text(14848).endswith("step cap in 11:00:20")  # past the max: the cap
 
 
+@pytest.mark.slow
 def test_the_progress_bar_shows_a_finite_training_loss_through_evals(tmp_path):
     """On a terminal, the bar's loss is the last training loss, also after an eval (whose row has none: the bar
     showed loss=nan from the first eval on, which reads as divergence), and the val loss beside it; its times are

@@ -342,9 +342,10 @@ def trainer_overrides(cfg: Config, args) -> list[str]:
 
 
 def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, float]:
+    from flux_train.tools.sample import Sampler
     from flux_train.training.train import Trainer
 
-    trainer = Trainer(load_config(args.config, args.overrides + trainer_overrides(cfg, args)))
+    trainer = Trainer(load_config(args.config, args.overrides + trainer_overrides(cfg, args)), Sampler.for_run)
     torch.cuda.reset_peak_memory_stats()
     trainer.warm_up(max(trainer.cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
     seconds, warm = timed(trainer.train_step, args.steps)
@@ -388,23 +389,23 @@ def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
     state = replace(trainer.state, step=1)
     loader = trainer.data.train.state_dict()
     blocking = checkpoint.Checkpointer(root / "sync", keep=1)
-    path, save_s = clock(lambda: blocking.save(state, trainer.training, loader))
+    path, save_s = clock(lambda: blocking.save(state, trainer.layout, loader))
     size_gb = round(sum(f.stat().st_size for f in path.iterdir()) / 1e9, 1)
     report("checkpoint_gb", size_gb)
     report("save_s", save_s)
     report("write_gb_per_s", round(size_gb / max(save_s, 1e-3), 2))
-    _, load_s = clock(lambda: checkpoint.load(path, trainer.training))
+    _, load_s = clock(lambda: checkpoint.load(path, trainer.layout))
     report("load_s", load_s)
     report("read_gb_per_s", round(size_gb / max(load_s, 1e-3), 2))
     shutil_rmtree(root / "sync")
     background = checkpoint.Checkpointer(root / "async", keep=1, async_save=True)
-    _, first_s = clock(lambda: background.save(state, trainer.training, loader))
+    _, first_s = clock(lambda: background.save(state, trainer.layout, loader))
     report("async_blocking_first_s", first_s)  # with the host buffers' allocation (pinned on a GPU host)
     in_flight, _ = timed(trainer.train_step, args.steps, warmup=0)
     report("step_ms_while_writing", round(in_flight * 1000, 1))
     _, async_finish_s = clock(background.wait)
     report("async_wait_after_steps_s", async_finish_s)
-    _, again_s = clock(lambda: background.save(replace(state, step=2), trainer.training, loader))
+    _, again_s = clock(lambda: background.save(replace(state, step=2), trainer.layout, loader))
     report("async_blocking_s", again_s)  # every later save: the buffers are reused
     background.close()
     shutil_rmtree(root / "async")

@@ -1,18 +1,18 @@
 """Validation: `evaluate` is the pass (one forward per val sample at t = k/8, fresh noise, no caption dropout,
 per-sample MSE summed with the sample count across all ranks; val loss = sum / count); `Evaluator` is the
-trainer's eval: when one is due, its MLLOG events and checks, and what follows it (the run report, samples)."""
+trainer's eval: when one is due, its MLLOG events, metrics row and count check, and whether it reached the target.
+What follows an eval (the run report, samples: flux_train.training.pictures) is handed in as `after_eval`."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-from flux_train.config import Config, eval_interval_steps
 from flux_train.model import flow
-from flux_train.outputs.report import REPORT_FILE, write_report
+from flux_train.outputs.mllog import MLLogger
+from flux_train.training.heartbeat import Heartbeat
 from flux_train.training.parallel import all_reduce_sum
 from flux_train.training.train_state import TrainState
 
@@ -59,83 +59,65 @@ def evaluate(
     return float(total[0].item() / max(count, 1)), count
 
 
-def best_effort(path: Path, write) -> bool:
-    """Pictures for people (the report, sample grids): a failed write (a full disk) is a warning, training goes on."""
-    try:
-        write()
-        return True
-    except OSError as exc:
-        print(f"flux-train: warning: could not write {path} ({exc}); training goes on", file=sys.stderr, flush=True)
-        return False
-
-
 class Evaluator:
-    """The trainer's eval. Due every eval_interval_steps(cfg) steps (never with eval.enabled=false); a pass is
-    seeded by (train.seed, the eval's index) and must count the whole val set; afterwards rank 0 redraws the run
-    report and, with eval.sample_prompts, saves a grid of samples (a collective gathers the weights for it)."""
+    """The trainer's eval, given its parts (tests build one without a Trainer). Due every `every` steps (0: never);
+    a pass is seeded by (`seed`, the eval's index) and must count the whole val set (`val_size` samples); an eval
+    that does not reach `target` is followed by `after_eval(step)` (the trainer's report and samples)."""
 
-    def __init__(self, cfg: Config, trainer):
-        self.cfg, self.t = cfg, trainer
-        self.every = eval_interval_steps(cfg) if cfg.eval.enabled else 0
-        self.out_dir = Path(cfg.logging.out_dir)
-        self.sampler = None
-        if cfg.eval.sample_prompts and trainer.dist.is_main:
-            from flux_train.training.sample import Sampler  # diffusers and the encoders only where samples are drawn
-
-            self.sampler = Sampler.for_run(cfg, trainer.device, trainer.dtype)
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        val: Callable[[], Iterable[dict]],
+        val_size: int,
+        mllog: MLLogger,
+        heartbeat: Heartbeat,
+        rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+        latent_shift: float,
+        latent_scale: float,
+        every: int,
+        target: float,
+        after_eval: Callable[[int], None],
+    ):
+        self.model, self.val, self.val_size = model, val, val_size
+        self.mllog, self.heartbeat = mllog, heartbeat
+        self.rank, self.device, self.dtype = rank, device, dtype
+        self.seed, self.latent_shift, self.latent_scale = seed, latent_shift, latent_scale
+        self.every, self.target, self.after_eval = every, target, after_eval
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
     def loss(self, eval_index: int) -> tuple[float, int]:
-        """One validation pass with the run's model and settings: (val loss, samples counted over all ranks)."""
-        t, tc = self.t, self.cfg.train
+        """One validation pass: (val loss, samples counted over all ranks)."""
         return evaluate(
-            t.model,
-            t.data.val(),
-            device=t.device,
-            dtype=t.dtype,
-            seed=tc.seed,
+            self.model,
+            self.val(),
+            device=self.device,
+            dtype=self.dtype,
+            seed=self.seed,
             eval_index=eval_index,
-            rank=t.dist.rank,
-            shift=tc.latent_shift,
-            scale=tc.latent_scale,
+            rank=self.rank,
+            shift=self.latent_shift,
+            scale=self.latent_scale,
         )
 
-    def run(self, state: TrainState) -> float:
-        """The eval of `state`'s step, its MLLOG events included; counts it in `state`."""
-        self.t.heartbeat.beat(state.step, "eval")
-        self.t.mllog.eval_start(state.samples)
+    def run(self, state: TrainState, emit: Callable[[dict], None]) -> bool:
+        """The eval of `state`'s step: its MLLOG events, then its metrics row through `emit`; counts it in `state`.
+        True when it reached the target: that ends the run, and the trainer calls after_eval after run_stop (its
+        samples off the clock); else after_eval follows here."""
+        self.heartbeat.beat(state.step, "eval")
+        self.mllog.eval_start(state.samples)
         val_loss, count = self.loss(state.eval_count)
         state.eval_count += 1
-        if count != self.t.data.val_size:
-            raise RuntimeError(f"eval counted {count} samples, the val set has {self.t.data.val_size}")
-        self.t.mllog.eval_result(val_loss, state.samples)
-        return val_loss
-
-    def after(self, step: int) -> None:
-        """After the eval's MLLOG events: the run report and, with eval.sample_prompts, a grid of samples."""
-        self.report()
-        if not self.cfg.eval.sample_prompts:
-            return
-        from flux_train.training.sample import gathered_weights
-
-        weights = gathered_weights(self.t.model)  # collective: the full weights on rank 0
-        if self.sampler is not None:
-            path = self.out_dir / "samples" / f"step_{step:08d}.png"
-
-            def draw() -> None:
-                path.parent.mkdir(exist_ok=True)
-                self.sampler.grid(weights).save(path)
-
-            if best_effort(path, draw):
-                print(f"flux-train: samples of step {step}: {path}", flush=True)
-
-    def report(self) -> None:
-        """The run's report.png from metrics.jsonl (rank 0)."""
-        if self.t.dist.is_main:
-            target = self.cfg.eval.target
-            best_effort(
-                self.out_dir / REPORT_FILE,
-                lambda: write_report(self.out_dir, self.cfg.train.global_batch_size, target),
-            )
+        if count != self.val_size:
+            raise RuntimeError(f"eval counted {count} samples, the val set has {self.val_size}")
+        self.mllog.eval_result(val_loss, state.samples)
+        emit({"step": state.step, "samples": state.samples, "val_loss": val_loss})
+        if val_loss <= self.target:
+            return True
+        self.after_eval(state.step)
+        return False

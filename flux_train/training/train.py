@@ -50,6 +50,7 @@ from flux_train.training.parallel import (
     shutdown,
 )
 from flux_train.training.perf import GraphedStep, prepare_model, select_attention_backend
+from flux_train.training.pictures import Pictures, SamplerFactory
 from flux_train.training.train_state import TrainState
 
 # blocks return slices of their joint sequence; we never modify them in place, which this FSDP2 warning is about
@@ -81,8 +82,16 @@ class Boundary(NamedTuple):
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    """One run of `cfg`. With eval.sample_prompts, `sampler` builds the sampler that draws a grid after each eval
+    (flux_train.tools.sample.Sampler.for_run, handed in by the modules that start a run: tools sit above training)."""
+
+    def __init__(self, cfg: Config, sampler: SamplerFactory | None = None):
         self.cfg = cfg
+        if cfg.eval.sample_prompts and sampler is None:  # before anything is written to the run folder
+            raise ConfigError(
+                "eval.sample_prompts: this trainer was given no sampler to draw them with; start the run with "
+                "python -m flux_train.train"
+            )
         self.out_dir = Path(cfg.logging.out_dir)
         self.dist = init_distributed(cfg.parallel, cfg.train.device, str(self.out_dir / "flight_recorder"))
         validate(cfg, self.dist.world_size)
@@ -122,14 +131,40 @@ class Trainer:
         self.n_params = count_params(model)
         initial = self._initial_weights(model)
         prepare_model(model, cfg.perf, cfg.parallel.activation_checkpointing, self.device)
-        self.training = build_training(model, self.dist.mesh, cfg.parallel, cfg.train, self.dtype, self.device)
-        self.model = self.training.model
-        self.training.assign_weights(initial)
+        self.layout = build_training(model, self.dist.mesh, cfg.parallel, cfg.train, self.dtype, self.device)
+        self.model = self.layout.model
+        self.layout.assign_weights(initial)
         self.fp8 = FP8Scaling.of(self.model, self.device, cfg.perf.fp8_margin)  # perf.fp8=delayed: its scales
         self.graphed = GraphedStep(self._device_step) if graphs_on(cfg, self.device.type) else None
         self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
         self.empty = (self.data.empty_t5.to(self.device), self.data.empty_clip.to(self.device))
-        self.evaluator = Evaluator(cfg, self)
+        draws = bool(cfg.eval.sample_prompts)
+        self.pictures = Pictures(
+            out_dir=self.out_dir,
+            global_batch_size=cfg.train.global_batch_size,
+            target=cfg.eval.target,
+            model=self.model,
+            is_main=self.dist.is_main,
+            samples=draws,
+            # diffusers and the encoders only where samples are drawn
+            sampler=sampler(cfg, self.device, self.dtype) if draws and self.dist.is_main else None,
+        )
+        self.evaluator = Evaluator(
+            model=self.model,
+            val=self.data.val,
+            val_size=self.data.val_size,
+            mllog=self.mllog,
+            heartbeat=self.heartbeat,
+            rank=self.dist.rank,
+            device=self.device,
+            dtype=self.dtype,
+            seed=cfg.train.seed,
+            latent_shift=cfg.train.latent_shift,
+            latent_scale=cfg.train.latent_scale,
+            every=eval_interval_steps(cfg) if cfg.eval.enabled else 0,
+            target=cfg.eval.target,
+            after_eval=self.pictures.after_eval,
+        )
         self.stop_requested = False
         self.flops_per_sample: float | None = None
 
@@ -147,7 +182,7 @@ class Trainer:
 
     def _resume(self) -> None:
         """The checkpoint's state, after the warm-up (whose steps would overwrite the optimizer's moments)."""
-        self.state, loader_state = checkpoint.load(self.resume_from, self.training)
+        self.state, loader_state = checkpoint.load(self.resume_from, self.layout)
         self.data.train.load_state_dict(loader_state)
         if self.fp8 is not None and self.state.fp8 is not None:  # else (no FP8 before): the history starts empty
             try:
@@ -159,7 +194,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         self.heartbeat.beat(self.state.step, "checkpoint")
         self.state.fp8 = self.fp8.state_dict() if self.fp8 is not None else None
-        path = self.checkpointer.save(self.state, self.training, self.data.train.state_dict())
+        path = self.checkpointer.save(self.state, self.layout, self.data.train.state_dict())
         self._say(f"{'saving' if self.checkpointer.async_save else 'saved'} checkpoint {path}")
         return path
 
@@ -173,13 +208,13 @@ class Trainer:
 
     def _forward_backward(self, inputs: dict, target: torch.Tensor, micro: int) -> torch.Tensor:
         """Loss / accum of one micro-batch, gradients accumulated; after the last one, reduced (ddp)."""
-        self.training.start_micro_batch(micro, self.accum)
+        self.layout.start_micro_batch(micro, self.accum)
         loss = flow.mse_loss(self.model(**inputs), target) / self.accum
         if self.state.step + 1 == self.cfg.train.inject_nan_at_step:
             loss = loss * float("nan")
         loss.backward()
         if micro == self.accum - 1:
-            self.training.finish_backward()
+            self.layout.finish_backward()
         return loss.detach()
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -189,7 +224,7 @@ class Trainer:
         return self._step(lambda: next(self.data.train), lr_at(self.state.step, t.lr, t.warmup_steps))
 
     def _step(self, next_batch, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-        self.training.begin_step(lr)
+        self.layout.begin_step(lr)
         data_wait, staged = 0.0, []
         for micro in range(self.accum):
             t0 = time.perf_counter()
@@ -210,11 +245,11 @@ class Trainer:
         """The step's device work (what perf.cuda_graphs captures): forward and backward of every micro-batch,
         clipping and AdamW (the gradient norm), the FP8 scales of the next step, the weights' all-gathers."""
         loss_sum = sum(self._forward_backward(inputs, target, micro) for micro, (inputs, target) in enumerate(staged))
-        grad_norm = self.training.step()
+        grad_norm = self.layout.step()
         if self.fp8 is not None:
             self.fp8.update()
         if self.graphed is not None:
-            self.training.wait_params()  # the all-gathers end inside the graph
+            self.layout.wait_params()  # the all-gathers end inside the graph
         return loss_sum, grad_norm
 
     def warm_up(self, iters: int) -> None:
@@ -231,7 +266,7 @@ class Trainer:
         for _ in range(iters):
             self._step(lambda: batch, lr=0.0)
         self.state.step = step
-        self.training.reset_optimizer()  # AdamW starts from zero moments and step 0 at the first real step
+        self.layout.reset_optimizer()  # AdamW starts from zero moments and step 0 at the first real step
         if self.fp8 is not None:
             self.fp8.reset()  # and FP8 from no amax history
         self.flops_per_sample = None  # measured again on the first real batch
@@ -270,7 +305,7 @@ class Trainer:
             self.out_dir,
             self.device,
             self.dist.world_size,
-            Eta(eval_interval_steps(cfg) if cfg.eval.enabled else None, eta_goals(cfg)),
+            Eta(self.evaluator.every or None, eta_goals(cfg)),
             self.dist.is_main,
             cfg.logging.progress_bar,
             cfg.logging.tensorboard,
@@ -278,16 +313,16 @@ class Trainer:
             start_step=self.state.step,
         )
         status = self._train(metrics)
-        self.training.wait_params()  # no collective may be in flight when the process group goes down
+        self.layout.wait_params()  # no collective may be in flight when the process group goes down
         self.checkpointer.close()
         metrics.close()
         if status != Status.PREEMPTED:  # a preempted run continues in the same log after the requeue
             self.mllog.run_stop(C.SUCCESS if status == Status.SUCCESS else C.ABORTED, self.state.samples)
         self._save_final(status)
         if status == Status.SUCCESS:  # the successful eval's report and samples, after run_stop
-            self.evaluator.after(self.state.step)
+            self.pictures.after_eval(self.state.step)
         else:
-            self.evaluator.report()
+            self.pictures.report()
         why = {
             Status.SUCCESS: f"an eval reached the target {cfg.eval.target}",
             Status.ABORTED: f"train.max_steps {t.max_steps} reached before an eval reached the target {cfg.eval.target}",
@@ -317,12 +352,9 @@ class Trainer:
                 end = self._block(metrics, window)
             if end.kind == "diverged":
                 return self._diverged(end.first_bad)
-            if end.kind == "eval":  # before a stop: a checkpoint of this step stands for its eval having run
-                val_loss = self.evaluator.run(self.state)
-                metrics.emit({"step": self.state.step, "samples": self.state.samples, "val_loss": val_loss})
-                if val_loss <= self.cfg.eval.target:
-                    return Status.SUCCESS
-                self.evaluator.after(self.state.step)
+            # before a stop: a checkpoint of this step stands for its eval having run
+            if end.kind == "eval" and self.evaluator.run(self.state, metrics.emit):
+                return Status.SUCCESS
             if end.stop:
                 self.save_checkpoint()
                 return Status.PREEMPTED
@@ -367,7 +399,8 @@ class Trainer:
 
 
 @reports_user_errors
-def main(argv=None) -> int:
+def main(argv=None, sampler: SamplerFactory | None = None) -> int:
+    """The run of the command line `argv`; `sampler` as for Trainer."""
     args = train_parser().parse_args(argv)
     cfg = trainer = status = None
     try:
@@ -375,7 +408,7 @@ def main(argv=None) -> int:
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, sampler)
         status = trainer.run()
     except StorageError as exc:  # a file the run must write could not be written: say where to resume from
         raise StorageError(f"{exc}; {checkpoint.last_good(checkpoint_dir(cfg))}") from None
@@ -399,7 +432,3 @@ def main(argv=None) -> int:
         if deadline is not None:
             deadline.cancel()
     return {Status.PREEMPTED: preemption.EXIT_CODE, Status.DIVERGED: EXIT_DIVERGED}.get(status, 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,10 @@ guidance), from local weights only.
 
 The prompts are encoded as the training data was (dataprep.encoders: T5 over 256 tokens, CLIP pooled), then the
 checkpoint's weights go into a diffusers FluxTransformer2DModel (flux_train.model.diffusers_adapter). The trainer uses the
-same Sampler for `eval.sample_prompts`: a grid per eval in the run folder.
+same Sampler for `eval.sample_prompts`, a grid per eval in the run folder: training imports nothing from tools, so
+the modules that start a run (the train command, the cluster worker) hand it `Sampler.for_run`
+(flux_train.training.pictures). Importing this module is light (torch, Pillow): diffusers and the text encoders load
+only when a Sampler is made.
 """
 
 from __future__ import annotations
@@ -152,13 +155,6 @@ class Sampler:
             generator=torch.Generator().manual_seed(seed),
         ).images
         return image_grid(images, columns or math.ceil(math.sqrt(len(images))))
-
-
-def gathered_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: the full weights of a training layout's model on rank 0's CPU (an empty dict on the others)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def run_config_file(checkpoint: Path) -> Path:
