@@ -28,7 +28,7 @@ named beside each fail first.
 - torch 2.11-2.13: `torch._foreach_copy_`, `torch._foreach_zero_`, one kernel launch for every FP8 layer's amax
   history and scale (flux_train/kernels/fp8.py, inside the graphed step). Tests: tests/test_fp8.py.
 - torch 2.11-2.13: `torch.distributed.algorithms._checkpoint.checkpoint_wrapper`, activation checkpointing of
-  a block as FSDP2 expects it (flux_train/training/parallel.py, parallel.activation_checkpointing). Tests:
+  a block as FSDP2 expects it (flux_train/training/perf.py, parallel.activation_checkpointing). Tests:
   tests/test_parallel.py.
 """
 

@@ -91,7 +91,8 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
     import torch.distributed as dist
 
     from flux_train.model.flux import build_model, reference_init
-    from flux_train.training.parallel import build_mesh, build_training
+    from flux_train.training.distributed import build_mesh
+    from flux_train.training.layout import build_training
 
     cfg = load_config("configs/debug.yaml", [f"logging.out_dir={out}", "data.source=synthetic"])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -253,7 +253,7 @@ def _free_bytes(folder: Path) -> int:
 
 
 class Checkpointer:
-    """Collective saves of a training layout (parallel.FSDPTraining or ddp.DDP) under `root`, last `keep` kept."""
+    """Collective saves of a training layout (layout.Layout: fsdp.FSDPTraining or ddp.DDP) under `root`, last `keep` kept."""
 
     def __init__(self, root: Path, keep: int, async_save: bool = False, every_steps: int = 0):
         self.root, self.keep, self.async_save, self.every_steps = root, keep, async_save, every_steps

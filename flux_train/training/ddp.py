@@ -86,9 +86,8 @@ class DDP:
 
     Per optimizer step: `begin_step(lr)` (host only), `start_micro_batch(i, n)` before each micro-batch's
     forward, `finish_backward()` after the last backward, then `step()`; the next forward waits for the gathered
-    weights by itself. Everything after begin_step is device work a CUDA graph can capture."""
-
-    strategy = "ddp"
+    weights by itself. Everything after begin_step is device work a CUDA graph can capture. A
+    flux_train.training.layout.Layout."""
 
     def __init__(
         self,

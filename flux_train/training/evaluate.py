@@ -13,7 +13,7 @@ from torch import nn
 from flux_train.config import Config, eval_interval_steps
 from flux_train.model import flow
 from flux_train.outputs.report import REPORT_FILE, write_report
-from flux_train.training.parallel import all_reduce_sum
+from flux_train.training.distributed import all_reduce_sum
 from flux_train.training.train_state import TrainState
 
 
