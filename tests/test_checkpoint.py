@@ -14,6 +14,7 @@ from flux_train.config import load_config
 from flux_train.kernels import RMSNorm
 from flux_train.model.diffusers_adapter import diffusers_inputs
 from flux_train.outputs.results import read_events
+from flux_train.tools.export import main as export_main
 from flux_train.training import checkpoint
 from flux_train.training.preemption import EXIT_CODE as EXIT_PREEMPTED
 from flux_train.training.train_state import TrainState
@@ -149,7 +150,7 @@ def test_export_loads_with_diffusers_from_pretrained_and_reproduces_our_output(t
     )
     export = tmp_path / "export"
     assert (
-        checkpoint.main(
+        export_main(
             ["export", "--config", "configs/debug.yaml", "--checkpoint", str(out / "checkpoints"), "--out", str(export)]
         )
         == 0
@@ -200,7 +201,7 @@ def test_init_from_an_exported_model_starts_where_it_ended(tmp_path):
     export = tmp_path / "export"
     argv = ["--config", "configs/debug.yaml", "--checkpoint", str(out / "checkpoints"), "--out", str(export)]
     done = subprocess.run(
-        [sys.executable, "-m", "flux_train.training.checkpoint", "export", *argv],
+        [sys.executable, "-m", "flux_train.checkpoint", "export", *argv],
         capture_output=True,
         text=True,
         timeout=300,

@@ -680,3 +680,12 @@ def test_sbatch_without_a_slurm_configuration_is_not_blamed_on_partition_or_acco
     assert "no Slurm configuration" in line and "--local" in line and "--dry-run" in line
     assert "--partition" not in line and "--account" not in line
     assert "--partition" in sub.sbatch_refusal("sbatch: error: Invalid account or account/partition combination")
+
+
+def test_the_cluster_modules_load_no_checkpoint_code():
+    """Submitting and the per-node agent never read or write a checkpoint: importing the cluster modules, in a
+    fresh interpreter, leaves torch's distributed checkpointing (what the trainer saves with) unloaded."""
+    modules = ", ".join(f"flux_train.cluster.{m}" for m in ("submit", "launch", "worker", "container"))
+    code = f"import sys, {modules}; print('torch.distributed.checkpoint' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stderr
