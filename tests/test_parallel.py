@@ -195,6 +195,49 @@ def test_the_trainer_uses_only_what_the_layout_protocol_declares():
     assert used and used <= {*layout_methods(), "model"}, used - {*layout_methods(), "model"}
 
 
+def test_ddp_names_the_parameter_that_received_no_gradient_or_two():
+    """ddp takes each parameter's gradient from its hook: one that gets none, in the last micro-batch or an earlier
+    one (whose slice would keep the previous step's), or two in one micro-batch stops the step naming it."""
+    import torch
+    import torch.distributed as dist
+
+    from flux_train.config import load_config
+    from flux_train.model.flux import build_model
+    from flux_train.training.distributed import build_mesh
+    from flux_train.training.layout import build_training
+
+    cfg = load_config("configs/debug.yaml", ["parallel.strategy=ddp"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = build_mesh(cfg.parallel, 1, 1, "cpu")
+        ddp = build_training(build_model(cfg.model), mesh, cfg.parallel, cfg.train, torch.float32, torch.device("cpu"))
+        params = [p for bucket in ddp.buckets for p in bucket.params]
+        left_out = ddp.buckets[1].params[1]  # neither first nor last of its block: named by where it is, not a count
+        name = ddp.buckets[1].names[1]
+
+        def backward(skip=None):
+            sum(p.sum() for p in params if p is not skip).backward()
+
+        ddp.start_micro_batch(0, 1)
+        backward()
+        ddp.finish_backward()  # every gradient there: the step goes on
+        ddp.start_micro_batch(0, 1)
+        backward(skip=left_out)
+        with pytest.raises(RuntimeError, match=f"^parameter {name} received no gradient in micro-batch 1 of 1: "):
+            ddp.finish_backward()
+        ddp.start_micro_batch(0, 2)
+        backward(skip=left_out)
+        with pytest.raises(RuntimeError, match=f"^parameter {name} received no gradient in micro-batch 1 of 2: "):
+            ddp.start_micro_batch(1, 2)
+        ddp.start_micro_batch(0, 1)
+        loss = sum(p.sum() for p in params)
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match=r"^parameter \S+ received a second gradient in one micro-batch"):
+            loss.backward()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
     """SIGSTOP one of two workers: the other's next collective times out after parallel.timeout_s and the run
