@@ -201,7 +201,7 @@ def run_tunables(node: Node) -> None:
         log(node, f"runtime_tunables.sh exited with {result.returncode}; continuing")
 
 
-def write_config(cfg: Config, path: Path) -> None:
+def write_job_config(cfg: Config, path: Path) -> None:
     """The resolved config for an agent or its workers to read, with its real values (env.vars may hold
     secrets): readable by its owner only."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -426,7 +426,7 @@ def run_node(cfg: Config, local: bool = False) -> NodeStatus:
     if cfg.env.runtime_tunables:
         run_tunables(node)
     config_file = local_dir / "config.yaml"
-    write_config(cfg, config_file)
+    write_job_config(cfg, config_file)
     # the launcher reports each node's rendezvous result (group rank, global ranks) at INFO
     logging.basicConfig(format="%(message)s")
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.INFO)

@@ -93,7 +93,7 @@ class Trainer:
         # from here on every rank says where it is (a bad input above has ended the run without a thread)
         self.heartbeat = Heartbeat(self.out_dir / "heartbeats", self.dist.rank)
         if self.dist.is_main:
-            run_folder.write_config(cfg)
+            run_folder.write_masked_config(cfg)
         self.checkpointer = checkpoint.Checkpointer(
             checkpoint_dir(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.checkpoint.every_steps
         )
