@@ -1,6 +1,6 @@
 """The dependencies' private APIs that flux-train relies on, all of them, in one place, with the version range
-they are tested against (pyproject.toml pins it). The first five are wrapped below; the last four are one call
-each, where they are used. None has a public equivalent; a release that changes one breaks here, and the tests
+they are tested against (pyproject.toml pins it). The first five are wrapped below; the others are used where they
+are, in the file named. None has a public equivalent; a release that changes one breaks here, and the tests
 named beside each fail first.
 
 - submitit 1.5 (<1.6): `_make_sbatch_string`, the sbatch script submitit would submit; `submit --dry-run`
@@ -22,14 +22,30 @@ named beside each fail first.
 - submitit 1.5: `python -m submitit.core._submit FOLDER`, the module each Slurm task runs to unpickle and call
   the job's function; flux-train runs it inside the container (flux_train/cluster/submit.py), where submitit's own
   command line would run it on the host. Tests: tests/test_slurm_submit.py.
+- submitit 1.5: `JobPaths.get_first_id_independent_folder`, the folder (slurm.folder up to its first `%j`) where
+  submitit stages a submission's pickles and batch script; submit removes those of a job sbatch refused
+  (flux_train/cluster/submit.py). Tests: tests/test_submit.py (a refused job), tests/test_slurm_submit.py.
 - torch 2.11-2.13: `torch._scaled_mm`, the FP8 GEMM on tensor cores with per-tensor scales, a bias epilogue and
   fast accumulation (flux_train/kernels/fp8.py; torchao calls the same). Tests: tests/test_gpu.py (GPU),
   tests/test_fp8.py (the CPU emulation it is compared with).
 - torch 2.11-2.13: `torch._foreach_copy_`, `torch._foreach_zero_`, one kernel launch for every FP8 layer's amax
   history and scale (flux_train/kernels/fp8.py, inside the graphed step). Tests: tests/test_fp8.py.
 - torch 2.11-2.13: `torch.distributed.algorithms._checkpoint.checkpoint_wrapper`, activation checkpointing of
-  a block as FSDP2 expects it (flux_train/training/parallel.py, parallel.activation_checkpointing). Tests:
+  a block as FSDP2 expects it (flux_train/training/perf.py, parallel.activation_checkpointing). Tests:
   tests/test_parallel.py.
+- torch 2.11-2.13: the wrappers' names inside parameter names, `_orig_mod` (torch.compile's OptimizedModule) and
+  `_checkpoint_wrapped_module` (checkpoint_wrapper); `canonical_name` drops them, so checkpoints, initial weights
+  and exports name parameters alike with and without perf.compile and activation checkpointing
+  (flux_train/model/flux.py). Tests: tests/test_parallel.py (compiled blocks keep the checkpoint names, the
+  activation-checkpointing row).
+- torch 2.11-2.13: `nn.Module._parameters`, the dict a module holds its parameters in: ddp puts each parameter's
+  view of its bucket's flat weight buffer there in place of the parameter, which leaves the modules and the
+  wrappers around them as they are (flux_train/training/ddp.py). Tests: tests/test_parallel.py (the ddp rows),
+  tests/test_ddp_reduction.py.
+- torch 2.11-2.13: torch-elastic's worker log layout (DefaultLogsSpecs),
+  `<log_dir>/<run id>_<random>/attempt_<n>/<local rank>/stderr.log`, where the per-node agent reads a failed
+  worker's last stderr lines (flux_train/cluster/launch.py). Tests: tests/test_launch.py (a failure names the
+  rank and the stderr tail).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from flux_train.config import load_config
 from flux_train.kernels import RMSNorm
 from flux_train.model.diffusers_adapter import diffusers_inputs
 from flux_train.outputs.results import read_events
+from flux_train.tools.export import main as export_main
 from flux_train.training import checkpoint
 from flux_train.training.preemption import EXIT_CODE as EXIT_PREEMPTED
 from flux_train.training.train_state import TrainState
@@ -91,7 +92,8 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
     import torch.distributed as dist
 
     from flux_train.model.flux import build_model, reference_init
-    from flux_train.training.parallel import build_mesh, build_training
+    from flux_train.training.distributed import build_mesh
+    from flux_train.training.layout import build_training
 
     cfg = load_config("configs/debug.yaml", [f"logging.out_dir={out}", "data.source=synthetic"])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -148,7 +150,7 @@ def test_export_loads_with_diffusers_from_pretrained_and_reproduces_our_output(t
     )
     export = tmp_path / "export"
     assert (
-        checkpoint.main(
+        export_main(
             ["export", "--config", "configs/debug.yaml", "--checkpoint", str(out / "checkpoints"), "--out", str(export)]
         )
         == 0
@@ -199,7 +201,7 @@ def test_init_from_an_exported_model_starts_where_it_ended(tmp_path):
     export = tmp_path / "export"
     argv = ["--config", "configs/debug.yaml", "--checkpoint", str(out / "checkpoints"), "--out", str(export)]
     done = subprocess.run(
-        [sys.executable, "-m", "flux_train.training.checkpoint", "export", *argv],
+        [sys.executable, "-m", "flux_train.checkpoint", "export", *argv],
         capture_output=True,
         text=True,
         timeout=300,

@@ -19,8 +19,8 @@ from dataprep.extras import EXTRA
 from flux_train.cluster import launch, submit
 from flux_train.config import keys
 from flux_train.outputs import results
-from flux_train.tools import bench, plan, reduce_precision, sample
-from flux_train.training import checkpoint, train
+from flux_train.tools import bench, export, plan, reduce_precision, sample
+from flux_train.training import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,7 @@ COMMANDS = {
     "python -m flux_train.bench": bench.main,
     "python -m flux_train.plan": plan.main,
     "python -m flux_train.results": results.main,
-    "python -m flux_train.checkpoint": checkpoint.main,
+    "python -m flux_train.checkpoint": export.main,
     "python -m flux_train.sample": sample.main,
     "python -m flux_train.reduce_precision": reduce_precision.main,
 }

@@ -1,4 +1,4 @@
-"""The energon side of flux_train.data.sources on real datasets written by dataprep: the cooker, the train stream's
+"""The energon loaders (flux_train.data.energon) on real datasets written by dataprep: the cooker, the train stream's
 order and exact resume, the val pass's exact coverage on any number of ranks, the empty encodings."""
 
 import io
@@ -30,8 +30,8 @@ from dataprep.format import (
     write_info,
 )
 from flux_train.config import DataConfig, load_config
+from flux_train.data.contract import DataError
 from flux_train.data.energon import EnergonTrainStream, EnergonVal, build_energon, cook, val_counts
-from flux_train.data.sources import DataError
 from flux_train.private_apis import energon_shard_end
 
 SPEC = FixtureSpec(train=24, val=13, text_len=4, height=2, width=2, seed=3, samples_per_shard=5)

@@ -9,7 +9,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from flux_train.config import load_config
 from flux_train.model.flux import build_model
-from flux_train.training.parallel import build_mesh, build_training
+from flux_train.training.distributed import build_mesh
+from flux_train.training.layout import build_training
 
 WORLD = 4
 

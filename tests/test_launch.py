@@ -460,6 +460,30 @@ def test_failure_names_rank_host_cause_and_stderr_tail(tmp_path, monkeypatch):
     assert message.splitlines()[-1].strip().endswith("boom: bad shard")
 
 
+def test_workers_that_saved_and_stopped_requeue_the_job_only_when_asked_and_allowed(tmp_path, monkeypatch):
+    """The flag the batch script turns into `scontrol requeue` is created only where the script set one up and
+    slurm.max_requeue allows another requeue; otherwise the node says it was preempted."""
+    from dataclasses import replace
+
+    from flux_train.training.preemption import REQUEUE_FLAG_ENV
+
+    cfg = load_config(SYSTEM, ["slurm.max_requeue=2"])
+    node = launch.Node("42", 0, 1, "127.0.0.1", "127.0.0.1", restarts=1)
+    flag = tmp_path / "requeue.flag"
+    monkeypatch.delenv(REQUEUE_FLAG_ENV, raising=False)
+    assert launch.request_requeue(cfg, node) is launch.NodeStatus.PREEMPTED
+    monkeypatch.setenv(REQUEUE_FLAG_ENV, str(flag))
+    assert launch.request_requeue(cfg, replace(node, restarts=2)) is launch.NodeStatus.PREEMPTED
+    assert not flag.exists()
+    assert launch.request_requeue(cfg, node) is launch.NodeStatus.REQUEUED and flag.exists()
+
+
+@pytest.mark.parametrize("status,code", [("FINISHED", 0), ("REQUEUED", 0), ("PREEMPTED", 0), ("TERMINATED", 143)])
+def test_the_agents_exit_code_says_only_whether_sigterm_stopped_it(monkeypatch, status, code):
+    monkeypatch.setattr(launch, "run_node", lambda cfg, local: launch.NodeStatus[status])
+    assert launch.main(["--config", SYSTEM]) == code
+
+
 @pytest.mark.slow
 def test_local_launcher_run_with_evals_on_the_energon_fixture_passes_the_checker_structure(tmp_path):
     """Issue 7's short run on the CPU: the --local launcher path, 2 workers, 50 steps, evals on the energon

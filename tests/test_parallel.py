@@ -6,8 +6,7 @@ import subprocess
 import pytest
 from run_outputs import column, metrics, train, train_command
 
-from flux_train.config import ParallelConfig
-from flux_train.training.parallel import mesh_shape
+from flux_train.config import ParallelConfig, mesh_shape
 
 ARGS = [
     "--set",
@@ -117,7 +116,8 @@ def test_compiled_blocks_keep_checkpoint_names_and_initial_weights(strategy):
 
     from flux_train.config import load_config
     from flux_train.model.flux import build_model, materialize, reference_init
-    from flux_train.training.parallel import build_mesh, build_training
+    from flux_train.training.distributed import build_mesh
+    from flux_train.training.layout import build_training
     from flux_train.training.perf import compile_blocks
 
     cfg = load_config("configs/debug.yaml", [f"parallel.strategy={strategy}"])
@@ -134,6 +134,106 @@ def test_compiled_blocks_keep_checkpoint_names_and_initial_weights(strategy):
         }
         assert set(saved) == set(plain) and not any("_orig_mod" in k for k in saved)
         assert all(torch.equal(plain[k], saved[k]) for k in plain)
+    finally:
+        dist.destroy_process_group()
+
+
+def layout_methods() -> list[str]:
+    from flux_train.training.layout import Layout
+
+    return [name for name, value in vars(Layout).items() if callable(value) and not name.startswith("_")]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_each_layout_has_what_the_layout_protocol_declares(strategy):
+    """The trainer drives either layout through layout.Layout: each has its model and every method, taking the
+    protocol's parameters."""
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+
+    from flux_train.config import load_config
+    from flux_train.model.flux import build_model
+    from flux_train.training.distributed import build_mesh
+    from flux_train.training.layout import Layout, build_training
+
+    cfg = load_config("configs/debug.yaml", [f"parallel.strategy={strategy}"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = build_mesh(cfg.parallel, 1, 1, "cpu")
+        layout = build_training(
+            build_model(cfg.model), mesh, cfg.parallel, cfg.train, torch.float32, torch.device("cpu")
+        )
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(layout.model, torch.nn.Module)
+    assert len(layout_methods()) == 9
+    for name in layout_methods():
+        declared = list(inspect.signature(getattr(Layout, name)).parameters)[1:]  # without self
+        assert list(inspect.signature(getattr(layout, name)).parameters) == declared, name
+
+
+def test_the_trainer_uses_only_what_the_layout_protocol_declares():
+    """What the Trainer calls on the layout build_training gave it is in layout.Layout, so either layout serves."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).parent.parent / "flux_train/training/train.py").read_text())
+    held = next(  # the Trainer's attribute that holds the layout
+        target.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+        if getattr(node.value.func, "id", None) == "build_training"
+        for target in node.targets
+    )
+    used = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == held
+    }
+    assert used and used <= {*layout_methods(), "model"}, used - {*layout_methods(), "model"}
+
+
+def test_ddp_names_the_parameter_that_received_no_gradient_or_two():
+    """ddp takes each parameter's gradient from its hook: one that gets none, in the last micro-batch or an earlier
+    one (whose slice would keep the previous step's), or two in one micro-batch stops the step naming it."""
+    import torch
+    import torch.distributed as dist
+
+    from flux_train.config import load_config
+    from flux_train.model.flux import build_model
+    from flux_train.training.distributed import build_mesh
+    from flux_train.training.layout import build_training
+
+    cfg = load_config("configs/debug.yaml", ["parallel.strategy=ddp"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = build_mesh(cfg.parallel, 1, 1, "cpu")
+        ddp = build_training(build_model(cfg.model), mesh, cfg.parallel, cfg.train, torch.float32, torch.device("cpu"))
+        params = [p for bucket in ddp.buckets for p in bucket.params]
+        left_out = ddp.buckets[1].params[1]  # neither first nor last of its block: named by where it is, not a count
+        name = ddp.buckets[1].names[1]
+
+        def backward(skip=None):
+            sum(p.sum() for p in params if p is not skip).backward()
+
+        ddp.start_micro_batch(0, 1)
+        backward()
+        ddp.finish_backward()  # every gradient there: the step goes on
+        ddp.start_micro_batch(0, 1)
+        backward(skip=left_out)
+        with pytest.raises(RuntimeError, match=f"^parameter {name} received no gradient in micro-batch 1 of 1: "):
+            ddp.finish_backward()
+        ddp.start_micro_batch(0, 2)
+        backward(skip=left_out)
+        with pytest.raises(RuntimeError, match=f"^parameter {name} received no gradient in micro-batch 1 of 2: "):
+            ddp.start_micro_batch(1, 2)
+        ddp.start_micro_batch(0, 1)
+        loss = sum(p.sum() for p in params)
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match=r"^parameter \S+ received a second gradient in one micro-batch"):
+            loss.backward()
     finally:
         dist.destroy_process_group()
 

@@ -181,3 +181,43 @@ def test_dataprep_imports_nothing_from_flux_train():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "[]\n", done.stdout + done.stderr
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import circle inside the package, imports inside functions included: the modules form an order, each
+    building on the ones it imports (docs/architecture.md)."""
+    import ast
+
+    modules = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (ROOT / "flux_train").rglob("*.py")
+    }
+    imports = {}
+    for module, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("flux_train"):
+                # `from package import module` imports the module
+                found |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names
+                }
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+        imports[module] = found & modules.keys() - {module}
+
+    def circle(start: str) -> list[str] | None:
+        """A chain of imports from `start` back to it (depth first), or None."""
+        seen, todo = set(), [[start]]
+        while todo:
+            chain = todo.pop()
+            for name in sorted(imports[chain[-1]]):
+                if name == start:
+                    return [*chain, start]
+                if name not in seen:
+                    seen.add(name)
+                    todo.append([*chain, name])
+        return None
+
+    circles = [" -> ".join(c) for c in map(circle, sorted(modules)) if c]
+    assert not circles, "\n".join(circles)

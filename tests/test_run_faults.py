@@ -23,6 +23,7 @@ from run_outputs import train as run_train
 
 from flux_train.config import load_config
 from flux_train.outputs import results
+from flux_train.tools.export import main as export_main
 from flux_train.training import checkpoint, run_folder, train
 
 pytestmark = pytest.mark.slow  # the module fixture trains
@@ -365,7 +366,7 @@ def test_export_onto_an_existing_file_or_folder_is_refused_in_one_line(runs, tmp
             (existing / "notes.txt").write_text("keep me")
         before = snapshot(tmp_path)
         argv = ["export", "--config", "configs/debug.yaml", "--checkpoint", str(runs.crashed / "checkpoints")]
-        assert checkpoint.main([*argv, "--out", str(existing)]) == 2
+        assert export_main([*argv, "--out", str(existing)]) == 2
         assert capsys.readouterr().err.strip() == (
             f"error: --out {existing} exists; give a new folder to write the export into (nothing is overwritten)"
         )

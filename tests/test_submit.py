@@ -521,6 +521,21 @@ def test_hostile_values_reach_sbatch_whole_and_stay_inert(capsys, tmp_path, monk
     assert f"--container-image={image}" in argv and argv[-1] == f"{folder}/%j"
 
 
+def test_a_refused_job_is_one_line_and_leaves_none_of_its_files(capsys, tmp_path, monkeypatch):
+    """sbatch refusing the job: one line with sbatch's reason, exit 2, and the pickles and script submitit staged
+    for it in slurm.folder removed."""
+    refuse = (
+        "sys.stderr.write('sbatch: error: Invalid account or account/partition combination specified\\n'); sys.exit(1)"
+    )
+    _fake_command(tmp_path / "bin", "sbatch", tmp_path / "sbatch.json", then=refuse)
+    _fake_command(tmp_path / "bin", "srun", tmp_path / "srun.json")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    assert sub.main(["--config", SYSTEM, "--set", f"slurm.folder={tmp_path}/sub/%j"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "sbatch refused the job (Invalid account or account/partition" in err, err
+    assert (tmp_path / "sbatch.json").exists() and not [p for p in (tmp_path / "sub").rglob("*") if p.is_file()]
+
+
 def test_secrets_are_masked_in_the_dry_run_and_reach_the_job(capsys, tmp_path, monkeypatch):
     """Values of secret-looking variables (by name, or by env.masked_vars) in env.vars, in the container's options
     and in sbatch's --export: `***` everywhere in the dry run; the script sbatch gets still has them."""
@@ -704,3 +719,12 @@ def test_the_dry_run_of_a_system_is_the_reviewed_one(capsys, tmp_path, monkeypat
         f"the dry run differs from {GOLDEN.relative_to(ROOT)}: if the change is meant, FLUX_GOLDEN_REGENERATE=1 "
         "rewrites it, and the diff is reviewed with the change"
     )
+
+
+def test_the_cluster_modules_load_no_checkpoint_code():
+    """Submitting and the per-node agent never read or write a checkpoint: importing the cluster modules, in a
+    fresh interpreter, leaves torch's distributed checkpointing (what the trainer saves with) unloaded."""
+    modules = ", ".join(f"flux_train.cluster.{m}" for m in ("submit", "launch", "worker", "container"))
+    code = f"import sys, {modules}; print('torch.distributed.checkpoint' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stderr

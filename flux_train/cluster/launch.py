@@ -18,6 +18,7 @@ creates the flag file that the batch script's teardown turns into `scontrol requ
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import random
@@ -52,6 +53,15 @@ VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 class WorkerFailure(RuntimeError):
     """A worker died; the message names its rank, host and cause."""
+
+
+class NodeStatus(str, enum.Enum):
+    """How a node's workers ended without failing: what run_node returns (and a submitit job's result)."""
+
+    FINISHED = "finished"  # every worker exited 0
+    REQUEUED = "requeued"  # saved a checkpoint on Slurm's warning signal; the batch script requeues the job
+    PREEMPTED = "preempted"  # saved a checkpoint and stopped, with no requeue: the same command continues it
+    TERMINATED = "terminated"  # stopped by SIGTERM (scancel, the time limit)
 
 
 @dataclass(frozen=True)
@@ -191,7 +201,7 @@ def run_tunables(node: Node) -> None:
         log(node, f"runtime_tunables.sh exited with {result.returncode}; continuing")
 
 
-def write_config(cfg: Config, path: Path) -> None:
+def write_job_config(cfg: Config, path: Path) -> None:
     """The resolved config for an agent or its workers to read, with its real values (env.vars may hold
     secrets): readable by its owner only."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -357,7 +367,7 @@ def stopped_for_requeue(err) -> bool:
     return PREEMPTED_EXIT_CODE in codes and codes <= {PREEMPTED_EXIT_CODE, -signal.SIGTERM}
 
 
-def request_requeue(cfg: Config, node: Node) -> str:
+def request_requeue(cfg: Config, node: Node) -> NodeStatus:
     resume = cfg.checkpoint.resume
     if resume == "none":
         after = "checkpoint.resume=none: the next start begins again at step 0"
@@ -372,22 +382,21 @@ def request_requeue(cfg: Config, node: Node) -> str:
             f"workers saved a checkpoint and stopped; no requeue hook (${REQUEUE_FLAG_ENV} is unset: not "
             f"started by flux_train.cluster.submit or slurm/flux.sbatch): run the same command again; {after}",
         )
-        return "preempted"
+        return NodeStatus.PREEMPTED
     if node.restarts >= cfg.slurm.max_requeue:
         log(
             node,
             f"workers saved a checkpoint and stopped; not requeueing: the job was already requeued "
             f"{node.restarts} times (slurm.max_requeue={cfg.slurm.max_requeue})",
         )
-        return "preempted"
+        return NodeStatus.PREEMPTED
     Path(flag).touch()
     log(node, f"workers saved a checkpoint and stopped; asked the batch script to requeue the job; {after}")
-    return "requeued"
+    return NodeStatus.REQUEUED
 
 
-def run_node(cfg: Config, local: bool = False) -> str:
-    """The whole per-node path; returns "finished", "requeued", "preempted" or "terminated" (SIGTERM), raises
-    WorkerFailure."""
+def run_node(cfg: Config, local: bool = False) -> NodeStatus:
+    """The whole per-node path; raises WorkerFailure when a worker failed."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -417,7 +426,7 @@ def run_node(cfg: Config, local: bool = False) -> str:
     if cfg.env.runtime_tunables:
         run_tunables(node)
     config_file = local_dir / "config.yaml"
-    write_config(cfg, config_file)
+    write_job_config(cfg, config_file)
     # the launcher reports each node's rendezvous result (group rank, global ranks) at INFO
     logging.basicConfig(format="%(message)s")
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.INFO)
@@ -430,12 +439,12 @@ def run_node(cfg: Config, local: bool = False) -> str:
                 return request_requeue(cfg, node)
             if signal.SIGTERM in relay.received:
                 log(node, "workers stopped on SIGTERM")
-                return "terminated"
+                return NodeStatus.TERMINATED
             message = describe_failure(err, node.host, worker_logs)
             log(node, message)
             raise WorkerFailure(message) from None
     log(node, "workers finished")
-    return "finished"
+    return NodeStatus.FINISHED
 
 
 class NodeAgent:
@@ -445,7 +454,7 @@ class NodeAgent:
     def __init__(self, cfg: Config):
         self.cfg = cfg
 
-    def __call__(self) -> str:
+    def __call__(self) -> NodeStatus:
         return run_node(self.cfg)
 
 
@@ -465,7 +474,7 @@ def main(argv=None) -> int:
     except SignalException as exc:  # Ctrl-C, SIGHUP or SIGQUIT: the launcher has stopped the workers
         print(f"launch: stopped by {exc.sigval.name}; the workers were stopped", file=sys.stderr)
         return 128 + exc.sigval
-    return 128 + signal.SIGTERM if status == "terminated" else 0
+    return 128 + signal.SIGTERM if status is NodeStatus.TERMINATED else 0
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from pathlib import Path
 from dataprep.lifetime import die_with_parent
 from flux_train.cli import submit_parser
 from flux_train.cluster import container
-from flux_train.cluster.launch import LOCAL_JOB_ID_ENV, NodeAgent, env_vars, write_config
+from flux_train.cluster.launch import LOCAL_JOB_ID_ENV, NodeAgent, env_vars, write_job_config
 from flux_train.config import (
     Config,
     ContainerConfig,
@@ -316,7 +316,7 @@ def run_one_local(cfg: Config) -> int:
     run_dir = Path(cfg.slurm.folder.replace("%j", job_id)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
-    write_config(cfg, config_file)
+    write_job_config(cfg, config_file)
     _, python = container.command(cfg)
     check = container.node_check(cfg)
     if check and subprocess.call(check):

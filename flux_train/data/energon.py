@@ -1,5 +1,5 @@
 """The energon side of the data: the cooker (crude sample -> batch contract), this rank's resumable train
-stream, and the val pass that covers the val split exactly once across ranks (flux_train.data.sources has the
+stream, and the val pass that covers the val split exactly once across ranks (flux_train.data.contract has the
 batch contract, dataprep.format the on-disk format)."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dataprep.format import (
     sample_where,
 )
 from flux_train.config import Config, DataConfig, ModelConfig
-from flux_train.data.sources import DataError, DataSource, TrainStream
+from flux_train.data.contract import DataError, DataSource, TrainStream
 from flux_train.private_apis import energon_shard_end, quiet_energon_sample_errors, split_samples_to_workers
 
 # energon's loaders always ask for page-locked memory; on a host without a GPU torch warns that there is none

@@ -1,50 +1,17 @@
-"""Data for the trainer: the batch contract and the synthetic source (flux_train/data/energon.py reads the real
-dataset through energon; dataprep/format.py owns the on-disk format).
-
-Batch contract, per micro-batch: t5 [B,L,4096] bf16, clip [B,768] bf16, mean/logvar [B,16,H,W] bf16; val
-batches add timestep [B] int64 and valid [B] bool (False marks padding, so every rank runs the same number of
-forwards and each val sample counts exactly once).
-
-A source gives: `train` (an iterator of this rank's micro-batches in order, with state_dict /
-load_state_dict), `val()` (a fresh pass over this rank's val batches) and the empty encodings.
-"""
+"""The synthetic source (`data.source: synthetic`, a fixed random set; its samples also feed the warm-up and the
+bench) and `build_data`, which builds the source `data.source` names: that one, or the energon loaders of the
+real dataset (flux_train/data/energon.py). Both give the batch contract of flux_train/data/contract.py."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from dataprep.format import LATENT_CHANNELS
 from flux_train.config import Config
-from flux_train.errors import UserError
-
-
-@dataclass
-class DataSource:
-    train: "TrainStream"
-    val: Callable[[], Iterator[dict]]
-    empty_t5: torch.Tensor  # [1, L, D] bf16
-    empty_clip: torch.Tensor  # [1, 768] bf16
-    val_size: int
-
-
-class TrainStream:
-    """Iterator of micro-batches with a resumable position."""
-
-    def __iter__(self) -> "TrainStream":
-        return self
-
-    def __next__(self) -> dict:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict:
-        raise NotImplementedError
-
-    def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError
+from flux_train.data.contract import DataSource, TrainStream
 
 
 def synthetic_samples(n: int, text_len: int, height: int, width: int, t5_dim: int, clip_dim: int, seed: int) -> dict:
@@ -146,12 +113,6 @@ def build_synthetic(cfg: Config, rank: int, world: int) -> DataSource:
         empty["clip"],
         d.synthetic_val_samples,
     )
-
-
-class DataError(UserError, ValueError):
-    """A defect in the data on disk; the message names the shard and sample (or file)."""
-
-    label = "data error"
 
 
 def build_data(cfg: Config, rank: int, world: int) -> DataSource:

@@ -59,11 +59,13 @@ if HAVE_TRITON:
         tl.store(OUT + offs, p.to(OUT.dtype.element_ty), mask=mask)
 
 
-def adamw_step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, **betas_eps) -> None:
+def adamw_step(
+    master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, *, beta1: float, beta2: float, eps: float
+) -> None:
     """One AdamW step on 1-D tensors of equal length (see module docstring): Triton on a GPU, torch elsewhere.
-    `hyper`: the fp32 device tensor of `adamw_hyper`'s values; keywords beta1, beta2, eps."""
+    `hyper`: the fp32 device tensor of `adamw_hyper`'s values."""
     step = adamw_step_triton if HAVE_TRITON and master.is_cuda else adamw_step_torch
-    step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, **betas_eps)
+    step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, beta1=beta1, beta2=beta2, eps=eps)
 
 
 def adamw_step_triton(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, *, beta1, beta2, eps) -> None:

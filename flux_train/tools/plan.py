@@ -14,7 +14,7 @@ enter are lower bounds.
 Per GPU, with P parameters, S GPUs sharing the optimizer state (a node) and R replicas (the nodes):
 - memory: ddp holds the weights and a gradient buffer in the compute dtype and 12 P / S bytes of fp32 master
   weights and AdamW moments (flux_train/training/ddp.py); fsdp holds 12 P / S, the fp32 gradient shards between
-  micro-batches when accumulating, and two blocks' gathered weights (flux_train/training/parallel.py). Activations:
+  micro-batches when accumulating, and two blocks' gathered weights (flux_train/training/fsdp.py). Activations:
   micro-batch x blocks x the figure per sample and block of one-GPU forward+backward rows (their peak less the
   weights).
 - step: compute (samples x FLOPs per sample at the forward+backward FLOP rate measured nearest that batch) +
@@ -53,7 +53,7 @@ from flux_train.outputs.results import BENCHMARK, RULESET, USAGE, rcp_samples
 from flux_train.private_apis import rcp_batch_sizes
 from flux_train.tools.bench_table import precision_of, read_rows
 from flux_train.training.checkpoint import checkpoint_bytes, checkpoint_disk_gb
-from flux_train.training.parallel import reduce_dtype
+from flux_train.training.layout import reduce_dtype
 
 FIGURES_FILE = Path(__file__).with_name("measured.yaml")
 TOKENS = 256  # text tokens and image tokens of a flux1 sample (256x256 images), as the bench measures them

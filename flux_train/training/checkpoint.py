@@ -1,5 +1,5 @@
 """Checkpoints: DCP save/resume of model, optimizer and progress, per-rank loader state, atomic, last K kept;
-export of the model to a diffusers folder.
+the model's weights read back in one process (flux_train.tools.export writes them as a diffusers folder).
 
 Layout: <dir>/step_00001234/ holds the DCP shards of {"model", "optim"}, `loader_rank<r>.pt` per rank and
 `progress.pt` (flux_train.training.train_state: step, eval count, and the settings a resume must share: world size,
@@ -16,8 +16,6 @@ With `checkpoint.async_save` a save copies the state to host memory and returns 
 that are kept for the next save: several times faster than pageable copies); the files are written by a
 background thread (over a gloo group of its own, so training's collectives are not shared with it) while
 training goes on, and the checkpoint is completed (renamed) when the next save starts or the run ends.
-
-    python -m flux_train.checkpoint export --config CFG --checkpoint DIR/step_00001234 --out FOLDER
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from flux_train.config import ConfigError, ModelConfig, checkpoint_dir
-from flux_train.errors import StorageError, UserError, raise_on_every_rank, reports_user_errors
+from flux_train.errors import StorageError, UserError, raise_on_every_rank
 from flux_train.training.train_state import TrainState
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -77,7 +75,7 @@ def _os_error(exc: BaseException) -> OSError | None:
     return exc
 
 
-def _brief(exc: BaseException) -> str:
+def brief(exc: BaseException) -> str:
     """An exception in a few words: the file it names, or its type and first line."""
     exc = _os_error(exc) or exc
     if isinstance(exc, OSError) and exc.filename:
@@ -88,7 +86,7 @@ def _brief(exc: BaseException) -> str:
 
 def _failure(exc: CheckpointException) -> str:
     """The first failure DCP gathered from its ranks, in a few words."""
-    return _brief(next(iter(exc.failures.values()))[0])
+    return brief(next(iter(exc.failures.values()))[0])
 
 
 def read_progress(path: Path) -> TrainState:
@@ -96,7 +94,7 @@ def read_progress(path: Path) -> TrainState:
     try:
         progress = torch.load(path / PROGRESS, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch.load fails on a cut or garbled file in many ways
-        raise ValueError(f"{PROGRESS} is unreadable ({_brief(exc)})") from None
+        raise ValueError(f"{PROGRESS} is unreadable ({brief(exc)})") from None
     try:
         return TrainState.from_progress(progress)
     except ValueError as exc:
@@ -112,7 +110,7 @@ def unreadable(path: Path) -> str | None:
     except ValueError as exc:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 - a missing or garbled .metadata
-        return f"its DCP metadata (.metadata) is missing or unreadable ({_brief(exc)})"
+        return f"its DCP metadata (.metadata) is missing or unreadable ({brief(exc)})"
     need: dict[str, int] = {}
     for info in metadata.storage_data.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -124,7 +122,7 @@ def unreadable(path: Path) -> str | None:
         try:
             torch.load(path / f"loader_rank{rank}.pt", weights_only=True)
         except Exception as exc:  # noqa: BLE001
-            return f"the loader state of rank {rank} is missing or unreadable ({_brief(exc)})"
+            return f"the loader state of rank {rank} is missing or unreadable ({brief(exc)})"
     return None
 
 
@@ -231,7 +229,7 @@ def _on_every_rank(what: Path, write: Callable[[], None], group=None) -> None:
     except (OSError, RuntimeError) as exc:
         if _os_error(exc) is None:  # not a failed write: a bug, with its traceback
             raise
-        error = _brief(exc)
+        error = brief(exc)
     # torch's words for a full disk ("unexpected pos"; DCP passes a rank's failure on without the OS error) say
     # nothing to a user: the free space says it
     if error is not None and _free_bytes(what.parent) < FULL_BELOW:
@@ -253,7 +251,7 @@ def _free_bytes(folder: Path) -> int:
 
 
 class Checkpointer:
-    """Collective saves of a training layout (parallel.FSDPTraining or ddp.DDP) under `root`, last `keep` kept."""
+    """Collective saves of a training layout (layout.Layout: fsdp.FSDPTraining or ddp.DDP) under `root`, last `keep` kept."""
 
     def __init__(self, root: Path, keep: int, async_save: bool = False, every_steps: int = 0):
         self.root, self.keep, self.async_save, self.every_steps = root, keep, async_save, every_steps
@@ -338,7 +336,7 @@ def load(path: Path, training) -> tuple[TrainState, dict]:
     try:
         loader = torch.load(path / f"loader_rank{dist.get_rank()}.pt", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a cut or garbled file fails in many ways
-        raise CheckpointError(f"checkpoint {path}: the loader state could not be read ({_brief(exc)}); {fix}") from None
+        raise CheckpointError(f"checkpoint {path}: the loader state could not be read ({brief(exc)}); {fix}") from None
     return progress, loader
 
 
@@ -372,44 +370,3 @@ def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
     except CheckpointException as exc:
         raise CheckpointError(f"checkpoint {checkpoint} could not be read ({_failure(exc)})") from None
     return state["model"]
-
-
-def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
-    """Offline export of a DCP checkpoint's weights as a diffusers folder, written beside it and renamed into place
-    when complete; nothing that exists at `out` is written into (an empty folder aside)."""
-    from flux_train.model.diffusers_adapter import quiet_diffusers, save_diffusers
-
-    quiet_diffusers()
-    if out.is_symlink() or (out.exists() and not (out.is_dir() and not any(out.iterdir()))):
-        raise UserError(f"--out {out} exists; give a new folder to write the export into (nothing is overwritten)")
-    weights = read_weights(cfg, checkpoint)
-    partial = out.with_name(out.name + ".partial")
-    try:
-        shutil.rmtree(partial, ignore_errors=True)
-        save_diffusers(weights, cfg.model, partial)
-        partial.rename(out)
-    except OSError as exc:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise StorageError(f"writing the export {out} failed ({_brief(exc)})") from None
-
-
-@reports_user_errors
-def main(argv=None) -> int:
-    from flux_train.cli import checkpoint_parser
-    from flux_train.config import load_config
-
-    args = checkpoint_parser().parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    path = find_checkpoint(Path(args.checkpoint))
-    if path is None:
-        raise ConfigError(
-            f"--checkpoint {args.checkpoint}: no complete checkpoint there (a step_XXXXXXXX folder "
-            "with progress.pt, or the folder holding them)"
-        )
-    export_checkpoint(cfg, path, Path(args.out))
-    print(f"exported {path} -> {args.out} (load with FluxTransformer2DModel.from_pretrained)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

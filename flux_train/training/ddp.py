@@ -53,7 +53,7 @@ class Bucket:
     shard_start: int = 0  # this rank's slice of the bucket: [shard_start, shard_start + shard_numel)
     shard_numel: int = 0
     master_offset: int = 0  # where that slice lives in the flat fp32 master/moment tensors
-    arrived: int = 0  # gradients received in the current micro-batch
+    waiting: set[int] = field(default_factory=set)  # indices of the params whose gradient this micro-batch still owes
     gather: dist.Work | None = None
 
     @property
@@ -86,9 +86,8 @@ class DDP:
 
     Per optimizer step: `begin_step(lr)` (host only), `start_micro_batch(i, n)` before each micro-batch's
     forward, `finish_backward()` after the last backward, then `step()`; the next forward waits for the gathered
-    weights by itself. Everything after begin_step is device work a CUDA graph can capture."""
-
-    strategy = "ddp"
+    weights by itself. Everything after begin_step is device work a CUDA graph can capture. A
+    flux_train.training.layout.Layout."""
 
     def __init__(
         self,
@@ -122,6 +121,7 @@ class DDP:
         self.hyper = torch.zeros(3, device=device)  # this step's AdamW scalars (kernels.adamw.adamw_hyper)
         self.steps = 0
         self._first = self._last = True
+        self._micro = (0, 1)  # the current micro-batch's index and count
         self._reductions: list[dist.Work] = []
         # a cross-node sum in another dtype goes through one static buffer, a bucket at a time (a CUDA graph
         # replays it)
@@ -142,14 +142,15 @@ class DDP:
         bucket.shard_start = rank * bucket.shard_numel
         bucket.master_offset = master_offset
         owners = {id(p): (m, k) for m in self.model.modules() for k, p in m._parameters.items() if p is not None}
-        for (_, p), offset in zip(named, bucket.offsets):
+        for index, ((_, p), offset) in enumerate(zip(named, bucket.offsets)):
             view = nn.Parameter(bucket.weights[offset : offset + p.numel()].view(p.shape))
             module, key = owners[id(p)]
             module._parameters[key] = view
             view.register_post_accumulate_grad_hook(
-                lambda param, b=bucket, o=offset: self._gradient_arrived(b, o, param)
+                lambda param, b=bucket, i=index: self._gradient_arrived(b, i, param)
             )
             bucket.params.append(view)
+        bucket.waiting = set(range(len(bucket.params)))
         return bucket
 
     # ---------------------------------------------------------------------------------- initial weights
@@ -178,34 +179,43 @@ class DDP:
     # ---------------------------------------------------------------------------------- one step
 
     def start_micro_batch(self, index: int, count: int) -> None:
+        if index > 0:  # a gradient missing there would leave the previous step's in its slice
+            self._check_arrived(index - 1, count)
         self._first, self._last = index == 0, index == count - 1
+        self._micro = (index, count)
         for bucket in self.buckets:
-            bucket.arrived = 0
+            bucket.waiting = set(range(len(bucket.params)))
 
-    def _gradient_arrived(self, bucket: Bucket, offset: int, param: torch.Tensor) -> None:
+    def _gradient_arrived(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
+        if index not in bucket.waiting:  # a second backward in one micro-batch would count it twice
+            raise RuntimeError(f"parameter {bucket.names[index]} received a second gradient in one micro-batch")
+        bucket.waiting.remove(index)
+        offset = bucket.offsets[index]
         grad = bucket.grads[offset : offset + param.numel()].view(param.shape)
         if self._first:  # the first micro-batch overwrites: no zeroing pass
             grad.copy_(param.grad)
         else:
             grad.add_(param.grad)
         param.grad = None
-        bucket.arrived += 1
-        if self._last and bucket.arrived == len(bucket.params) and self.shards > 1:
+        if self._last and not bucket.waiting and self.shards > 1:
             self._reductions.append(
                 _reduce_scatter(
                     bucket.grad_shard, bucket.grads, op=dist.ReduceOp.SUM, group=self.shard_group, async_op=True
                 )
             )
 
+    def _check_arrived(self, index: int, count: int) -> None:
+        missing = [bucket.names[i] for bucket in self.buckets for i in sorted(bucket.waiting)]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise RuntimeError(
+                f"parameter {missing[0]}{more} received no gradient in micro-batch {index + 1} of {count}: every "
+                "parameter must take part in the loss"
+            )
+
     def finish_backward(self) -> None:
         """After the last micro-batch's backward: every bucket's gradients summed over all ranks, in its shard."""
-        for bucket in self.buckets:
-            if bucket.arrived != len(bucket.params):
-                missing = bucket.names[bucket.arrived] if bucket.arrived < len(bucket.names) else bucket.names[0]
-                raise RuntimeError(
-                    f"parameter {missing} (or another of its block) received no gradient: "
-                    "every parameter must take part in the loss"
-                )
+        self._check_arrived(*self._micro)
         for work in self._reductions:
             work.wait()
         self._reductions.clear()

@@ -12,8 +12,8 @@ from torch import nn
 
 from flux_train.model import flow
 from flux_train.outputs.mllog import MLLogger
+from flux_train.training.distributed import all_reduce_sum
 from flux_train.training.heartbeat import Heartbeat
-from flux_train.training.parallel import all_reduce_sum
 from flux_train.training.train_state import TrainState
 
 

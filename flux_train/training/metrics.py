@@ -17,7 +17,7 @@ from flux_train.config import Config, eval_interval_steps
 from flux_train.errors import StorageError
 from flux_train.outputs.report import METRICS_FILE
 from flux_train.outputs.results import rcp_samples
-from flux_train.training.parallel import all_reduce_sum
+from flux_train.training.distributed import all_reduce_sum
 
 # dense bf16 peak per GPU, for MFU; the bench measures the achievable ceiling itself
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "MI300X": 1307.0, "MI325X": 1307.0, "MI355X": 2500.0}

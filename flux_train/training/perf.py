@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from flux_train.config import PerfConfig
-from flux_train.data.sources import DataError
+from flux_train.data.contract import DataError
 from flux_train.kernels.fp8 import convert_to_fp8, device_e4m3
 from flux_train.model.flux import block_stacks, is_token_linear
 

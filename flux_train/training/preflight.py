@@ -180,7 +180,7 @@ def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) 
 
 @reports_user_errors
 def main(argv=None) -> int:
-    from flux_train.training.parallel import init_distributed, shutdown
+    from flux_train.training.distributed import init_distributed, shutdown
 
     ap = Parser(prog="python -m flux_train.training.preflight", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/debug.yaml", help="the run's config (what to check)")

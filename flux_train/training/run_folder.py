@@ -143,7 +143,7 @@ def cut_back(path: Path, position: Callable[[str], int | None], limit: int) -> N
         raise StorageError(f"writing {path} failed ({exc})") from None
 
 
-def write_config(cfg: Config) -> None:
+def write_masked_config(cfg: Config) -> None:
     """The run's resolved config as config.yaml in its folder, secrets masked (env.masked_vars)."""
     config_file = Path(cfg.logging.out_dir) / "config.yaml"
     try:

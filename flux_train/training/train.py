@@ -38,17 +38,12 @@ from flux_train.model.diffusers_adapter import load_pretrained
 from flux_train.model.flux import build_model, check_weights, count_params, flops_per_sample, reference_init
 from flux_train.outputs.mllog import C, MLLogger
 from flux_train.training import checkpoint, preemption, preflight, run_folder
+from flux_train.training.distributed import collective_failure_line, init_distributed, out_of_memory_line, shutdown
 from flux_train.training.evaluate import Evaluator
 from flux_train.training.heartbeat import ExitDeadline, Heartbeat
+from flux_train.training.layout import build_training
 from flux_train.training.metrics import Eta, LogWindow, Metrics, eta_goals
 from flux_train.training.optim import lr_at
-from flux_train.training.parallel import (
-    build_training,
-    collective_failure_line,
-    init_distributed,
-    out_of_memory_line,
-    shutdown,
-)
 from flux_train.training.perf import GraphedStep, prepare_model, select_attention_backend
 from flux_train.training.pictures import Pictures, SamplerFactory
 from flux_train.training.train_state import TrainState
@@ -107,7 +102,7 @@ class Trainer:
         # from here on every rank says where it is (a bad input above has ended the run without a thread)
         self.heartbeat = Heartbeat(self.out_dir / "heartbeats", self.dist.rank)
         if self.dist.is_main:
-            run_folder.write_config(cfg)
+            run_folder.write_masked_config(cfg)
         self.checkpointer = checkpoint.Checkpointer(
             checkpoint_dir(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.checkpoint.every_steps
         )

@@ -1,5 +1,5 @@
-"""torch.distributed from the environment, the data-parallel mesh, and the training layouts: FSDP2/HSDP
-(`FSDPTraining`, here) or replicated weights with a sharded optimizer (flux_train.training.ddp.DDP).
+"""torch.distributed from the environment: the process group, the data-parallel mesh, the sum over ranks, the
+teardown, and the one-line reports of a step that ran out of memory or whose collective failed.
 
 A run always has a process group (world size 1 when started without a launcher), so one code path
 shards, reduces and checkpoints whether it runs on one CPU or on many nodes.
@@ -15,17 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from flux_train.config import ConfigError, ParallelConfig, TrainConfig, mesh_shape
+from flux_train.config import ConfigError, ParallelConfig, mesh_shape
 from flux_train.errors import raise_on_every_rank
-from flux_train.model.flux import assign_weights, block_stacks
-from flux_train.training.ddp import DDP
 from flux_train.training.heartbeat import stragglers
-from flux_train.training.optim import build_optimizer, clip_grad_norm, set_lr
 
 
 @dataclass
@@ -88,109 +82,6 @@ def build_mesh(pcfg: ParallelConfig, world: int, local_world: int, device_type: 
     timeout = datetime.timedelta(seconds=pcfg.timeout_s)
     groups = [dist.new_subgroups_by_enumeration(ranks.tolist(), timeout=timeout)[0] for ranks in (layout.T, layout)]
     return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=("dp_replicate", "dp_shard"))
-
-
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """2-D (HSDP) when replicating, else the 1-D shard mesh (plain FSDP)."""
-    return mesh if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
-
-
-def reduce_dtype(pcfg: ParallelConfig, compute_dtype: torch.dtype) -> torch.dtype:
-    """fsdp: the gradient reduce-scatter's dtype (auto: fp32, as the reference reduces). ddp: the cross-node
-    all-reduce's, the reduce-scatter within a node summing the compute dtype (auto: the compute dtype, as the
-    MLPerf submissions reduce: docs/benchmark.md "Gradient reduction precision")."""
-    if pcfg.reduce_dtype == "auto":
-        return torch.float32 if pcfg.strategy == "fsdp" else compute_dtype
-    return torch.float32 if pcfg.reduce_dtype == "float32" else torch.bfloat16
-
-
-def parallelize(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, param_dtype: torch.dtype) -> nn.Module:
-    """FSDP2 per block (blocks already compiled / checkpoint-wrapped), root last. Inputs are not cast: the
-    trainer passes them in the compute dtype and the RoPE tables stay fp32. Each block prefetches the next
-    one's weights in forward and the previous one's in backward."""
-    mp = MixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype(pcfg, param_dtype), cast_forward_inputs=False
-    )
-    shard_mesh = fsdp_mesh(mesh)
-    blocks = [block for stack in block_stacks(model) for block in stack]
-    for block in blocks:
-        fully_shard(block, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=pcfg.reshard_after_forward)
-    for before, after in zip(blocks, blocks[1:]):
-        before.set_modules_to_forward_prefetch([after])
-        after.set_modules_to_backward_prefetch([before])
-    # the root's parameters are used again first in backward: keep them gathered after forward
-    fully_shard(model, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=False)
-    return model
-
-
-class FSDPTraining:
-    """`parallel.strategy: fsdp`: FSDP2 over the mesh, torch's fused AdamW on the sharded fp32 weights.
-    Same interface as flux_train.training.ddp.DDP (begin_step, start_micro_batch, finish_backward, step, ...)."""
-
-    strategy = "fsdp"
-
-    def __init__(
-        self,
-        model: nn.Module,
-        mesh: DeviceMesh,
-        pcfg: ParallelConfig,
-        tcfg: TrainConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        self.model = parallelize(model, mesh, pcfg, dtype)
-        self.model.to_empty(device=device)
-        self.optimizer = build_optimizer(self.model, tcfg)
-        self.tcfg = tcfg
-
-    def assign_weights(self, values) -> None:
-        """Full fp32 tensors by name (model.reference_init, or loaded weights) into the shards."""
-        assign_weights(self.model, values)
-
-    def start_micro_batch(self, index: int, count: int) -> None:
-        # every micro-batch reduce-scatters into the sharded fp32 grads (skipping it keeps unsharded grads of
-        # all 12B parameters: out of memory on H200 at micro-batch 16); the HSDP all-reduce across replicas
-        # waits for the last micro-batch
-        self.model.set_requires_all_reduce(index == count - 1)
-
-    def finish_backward(self) -> None:
-        pass
-
-    def begin_step(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-
-    def step(self) -> torch.Tensor:
-        norm = clip_grad_norm(self.model, self.tcfg.grad_clip_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    def wait_params(self) -> None:
-        pass
-
-    def reset_optimizer(self) -> None:
-        self.optimizer.state.clear()  # AdamW re-creates zero moments and step 0 at the next step
-
-    def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def build_training(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    pcfg: ParallelConfig,
-    tcfg: TrainConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> FSDPTraining | DDP:
-    """The model's training layout, weights allocated on `device`, not yet initialised."""
-    if pcfg.strategy == "ddp":
-        return DDP(model, mesh, tcfg, dtype, device, reduce_dtype(pcfg, dtype))
-    return FSDPTraining(model, mesh, pcfg, tcfg, dtype, device)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""The training layout the trainer drives without knowing which one runs: the `Layout` protocol, the two that
+satisfy it (flux_train.training.fsdp.FSDPTraining, flux_train.training.ddp.DDP), and `build_training`, which
+builds the one `parallel.strategy` names with the gradient-reduction dtype `parallel.reduce_dtype` asks for."""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from flux_train.config import ParallelConfig, TrainConfig
+from flux_train.training.ddp import DDP
+from flux_train.training.fsdp import FSDPTraining
+
+
+class Layout(Protocol):
+    """Where the weights, gradients and optimizer state live, and the step over them. Per optimizer step:
+    `begin_step(lr)` (host only), `start_micro_batch(i, n)` before each micro-batch's forward,
+    `finish_backward()` after the last backward, then `step()`."""
+
+    model: nn.Module  # the module to call forward on (sharded or wrapped by the layout)
+
+    def assign_weights(self, values: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Full fp32 tensors by name (model.reference_init, or loaded weights) into the layout's weights."""
+
+    def begin_step(self, lr: float) -> None:
+        """This step's learning rate, before any of its device work (a CUDA graph replays what follows)."""
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        """Before micro-batch `index` of `count`: how its gradients accumulate and when they are reduced."""
+
+    def finish_backward(self) -> None:
+        """After the last micro-batch's backward: every gradient summed over the ranks."""
+
+    def step(self) -> torch.Tensor:
+        """Clip by the global gradient norm and take the AdamW step; the pre-clip norm (a device tensor)."""
+
+    def wait_params(self) -> None:
+        """Before the weights are read outside a forward (checkpoints, the end of a graphed step or of the run)."""
+
+    def reset_optimizer(self) -> None:
+        """Zero moments and step count, keeping the weights (after the warm-up's steps with lr 0)."""
+
+    def state_dict(self) -> dict:
+        """DCP state {"model": weights by name, "optim": optimizer state}, filled in place by dcp.load."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """After dcp.load filled `state_dict()`'s tensors."""
+
+
+def reduce_dtype(pcfg: ParallelConfig, compute_dtype: torch.dtype) -> torch.dtype:
+    """fsdp: the gradient reduce-scatter's dtype (auto: fp32, as the reference reduces). ddp: the cross-node
+    all-reduce's, the reduce-scatter within a node summing the compute dtype (auto: the compute dtype, as the
+    MLPerf submissions reduce: docs/benchmark.md "Gradient reduction precision")."""
+    if pcfg.reduce_dtype == "auto":
+        return torch.float32 if pcfg.strategy == "fsdp" else compute_dtype
+    return torch.float32 if pcfg.reduce_dtype == "float32" else torch.bfloat16
+
+
+def build_training(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    pcfg: ParallelConfig,
+    tcfg: TrainConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Layout:
+    """The model's training layout, weights allocated on `device`, not yet initialised."""
+    reduce = reduce_dtype(pcfg, dtype)
+    if pcfg.strategy == "ddp":
+        return DDP(model, mesh, tcfg, dtype, device, reduce)
+    return FSDPTraining(model, mesh, pcfg, tcfg, dtype, device, reduce)
