@@ -10,7 +10,7 @@ import typing
 from pathlib import Path
 
 from dataprep.cli import add_encoder_arguments
-from flux_train.config import CONFIG_DIR, IMAGE_SIZE, ContainerConfig
+from flux_train.config import CONFIG_DIR, IMAGE_SIZE, ContainerConfig, add_overrides
 from flux_train.errors import Parser, positive_int, positive_number
 
 # the rows each bench mode can measure (flux_train/tools/bench.py runs them)
@@ -41,7 +41,7 @@ def train_parser() -> Parser:
         "[--set section.key=value ...]`.",
     )
     p.add_argument("--config", default="configs/debug.yaml", help="YAML config (default: configs/debug.yaml)")
-    p.add_overrides()
+    add_overrides(p)
     p.add_argument(
         "--print-config",
         action="store_true",
@@ -79,7 +79,7 @@ def submit_parser() -> Parser:
         "Slurm.",
     )
     p.add_argument("--config", required=True, help=f"system config, e.g. configs/systems/<name>.yaml ({systems})")
-    p.add_overrides()
+    add_overrides(p)
     p.add_argument("--nodes", type=positive_int, help="slurm.nodes")
     p.add_argument("--gpus-per-node", type=positive_int, help="slurm.gpus_per_node (workers per node)")
     p.add_argument("--partition", help="slurm.partition")
@@ -127,7 +127,7 @@ def bench_parser() -> Parser:
         default="configs/bench.yaml",
         help="the run config whose model and perf settings are measured (default: configs/bench.yaml)",
     )
-    p.add_overrides()
+    add_overrides(p)
     p.add_argument(
         "--mode",
         choices=tuple(BENCH_ROWS),
@@ -194,7 +194,7 @@ def plan_parser() -> Parser:
         "time-to-train from the MLPerf reference convergence points, and checkpoint disk, from measured figures.",
     )
     p.add_argument("--config", required=True, help="the run's config, e.g. configs/systems/H200_01x08.yaml")
-    p.add_overrides()
+    add_overrides(p)
     p.add_argument(
         "--nodes", nargs="+", type=node_counts, help="node counts: N, several, or a range A-B (default slurm.nodes)"
     )
@@ -263,7 +263,7 @@ def checkpoint_parser() -> Parser:
     ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
     ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
     ex.add_argument("--out", required=True, help="the diffusers folder to write (config.json + safetensors)")
-    ex.add_overrides()
+    add_overrides(ex)
     return p
 
 

@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from flux_train.config import Config, ConfigError, checkpoint_dir, load_config, validate
+from flux_train.config import Config, ConfigError, add_overrides, checkpoint_dir, load_config, validate
 from flux_train.errors import Parser, reports_user_errors
 from flux_train.masking import mask_env
 from flux_train.training.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
@@ -462,7 +462,7 @@ class NodeAgent:
 def main(argv=None) -> int:
     p = Parser(prog="python -m flux_train.cluster.launch", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML config (a system file from configs/systems/)")
-    p.add_overrides()
+    add_overrides(p)
     p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")
     args = p.parse_args(argv)
     from torch.distributed.elastic.multiprocessing import SignalException

@@ -22,6 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
+from flux_train.config import add_overrides
 from flux_train.errors import Parser, reports_user_errors
 
 SIGNAL = signal.SIGUSR2
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
         "(for `sbatch $(...) slurm/flux.sbatch --config CONFIG`).",
     )
     p.add_argument("--config", required=True)
-    p.add_overrides()
+    add_overrides(p)
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     print(shlex.join(sbatch_options(cfg.slurm.signal_delay_s)))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flux_train.config import Config, ConfigError, checkpoint_dir, load_config
+from flux_train.config import Config, ConfigError, add_overrides, checkpoint_dir, load_config
 from flux_train.errors import Parser, UserError, reports_user_errors
 from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on
 from flux_train.model.flux import build_model, count_params
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
 
     ap = Parser(prog="python -m flux_train.training.preflight", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/debug.yaml", help="the run's config (what to check)")
-    ap.add_overrides()
+    add_overrides(ap)
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     try:
