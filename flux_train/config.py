@@ -326,7 +326,7 @@ class PreflightConfig:
     min_free_disk_gb: Optional[float] = setting(
         None,
         "free disk needed in the checkpoint and log folders; unset (null): what the plan says the checkpoints need, "
-        "checkpoint.keep + 1 checkpoints of this model and layout (flux_train.training.checkpoint.checkpoint_disk_gb)",
+        "checkpoint.keep + 1 checkpoints of this model and layout (flux_train.training.checkpoint_size.checkpoint_disk_gb)",
         _at_least(0),
     )
     min_bus_bandwidth_gbps: float = setting(

@@ -19,7 +19,7 @@ from flux_train.config import load_config
 from flux_train.model.flux import build_model, count_params
 from flux_train.tools import plan
 from flux_train.training import preflight
-from flux_train.training.checkpoint import checkpoint_bytes
+from flux_train.training.checkpoint_size import checkpoint_bytes
 from flux_train.training.ddp import DDP
 
 H200 = "configs/systems/H200_01x08.yaml"

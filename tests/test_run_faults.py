@@ -24,7 +24,7 @@ from run_outputs import train as run_train
 from flux_train.config import load_config
 from flux_train.outputs import results
 from flux_train.tools.export import main as export_main
-from flux_train.training import checkpoint, run_folder, train
+from flux_train.training import checkpoint, checkpoint_size, run_folder, train
 
 pytestmark = pytest.mark.slow  # the module fixture trains
 
@@ -243,7 +243,7 @@ def test_a_full_disk_at_a_save_says_so_naming_the_folder_and_the_last_good_check
     cfg = load_config("configs/debug.yaml", [f"{k}={v}" for k, v in run.items()])
     command = train_command(tmp_path / "run", *set_flags(run))
     proc = subprocess.run(
-        in_a_small_tmpfs(folder, int(1.5 * checkpoint.checkpoint_bytes(cfg)), command),
+        in_a_small_tmpfs(folder, int(1.5 * checkpoint_size.checkpoint_bytes(cfg)), command),
         capture_output=True,
         text=True,
         timeout=300,

@@ -14,8 +14,8 @@ from flux_train.config import load_config
 from flux_train.model.diffusers_adapter import to_diffusers
 from flux_train.outputs.results import read_events
 from flux_train.tools import sample
+from flux_train.tools.export import read_weights
 from flux_train.training import train
-from flux_train.training.checkpoint import read_weights
 
 pytestmark = pytest.mark.slow  # every test trains or reads a trained run
 

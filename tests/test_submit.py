@@ -722,9 +722,12 @@ def test_the_dry_run_of_a_system_is_the_reviewed_one(capsys, tmp_path, monkeypat
 
 
 def test_the_cluster_modules_load_no_checkpoint_code():
-    """Submitting and the per-node agent never read or write a checkpoint: importing the cluster modules, in a
+    """Submitting and the per-node agent never read or write a checkpoint: importing the cluster modules and the planner, in a
     fresh interpreter, leaves torch's distributed checkpointing (what the trainer saves with) unloaded."""
-    modules = ", ".join(f"flux_train.cluster.{m}" for m in ("submit", "launch", "worker", "container"))
+    # and the planner, whose plan line and fit check submit prints
+    modules = ", ".join(
+        [*(f"flux_train.cluster.{m}" for m in ("submit", "launch", "worker", "container")), "flux_train.tools.plan"]
+    )
     code = f"import sys, {modules}; print('torch.distributed.checkpoint' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and done.stdout.split() == ["False"], done.stderr

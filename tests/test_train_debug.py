@@ -76,7 +76,8 @@ def test_the_readmes_next_commands_export_and_sample_the_runs_last_step(debug_ru
 
     from flux_train.config import load_config
     from flux_train.model.diffusers_adapter import to_diffusers
-    from flux_train.training.checkpoint import list_checkpoints, read_weights
+    from flux_train.tools.export import read_weights
+    from flux_train.training.checkpoint import list_checkpoints
 
     out, proc = debug_run
     last = metrics(out)[-1]["step"]

@@ -10,10 +10,54 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
 from flux_train.cli import checkpoint_parser
 from flux_train.config import ConfigError, load_config
 from flux_train.errors import StorageError, UserError, reports_user_errors
-from flux_train.training.checkpoint import brief, find_checkpoint, read_weights
+from flux_train.training.checkpoint import (
+    PROGRESS,
+    CheckpointError,
+    brief,
+    failure_text,
+    list_checkpoints,
+    model_mismatch,
+    unreadable,
+)
+
+
+def find_checkpoint(path: Path) -> Path | None:
+    """`path` if it is a complete checkpoint, else the latest complete one in it; None if there is none."""
+    if (path / PROGRESS).is_file():
+        return path
+    found = list_checkpoints(path)
+    return found[-1] if found else None
+
+
+def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A DCP checkpoint's model weights (our layout), read in one process (no GPU, no process group). fsdp runs
+    save fp32 weights, ddp runs their bf16 copy (the fp32 master is sharded by flat position, not by tensor)."""
+    from flux_train.model.flux import build_model
+
+    why = unreadable(checkpoint)
+    if why:
+        raise CheckpointError(f"checkpoint {checkpoint} cannot be read: {why}; give another step_XXXXXXXX folder")
+    mismatch = model_mismatch(cfg.model, checkpoint)
+    if mismatch:
+        raise ConfigError(
+            f"checkpoint {checkpoint} does not hold model flavor '{cfg.model.flavor}' ({mismatch}); pass the config "
+            "the run trained with"
+        )
+    model = build_model(cfg.model, rmsnorm_impl="torch")
+    model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    except CheckpointException as exc:
+        raise CheckpointError(f"checkpoint {checkpoint} could not be read ({failure_text(exc)})") from None
+    return state["model"]
 
 
 def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:

@@ -52,8 +52,8 @@ from flux_train.model.flux import flops_per_sample, param_count
 from flux_train.outputs.results import BENCHMARK, RULESET, USAGE, rcp_samples
 from flux_train.private_apis import rcp_batch_sizes
 from flux_train.tools.bench_table import precision_of, read_rows
-from flux_train.training.checkpoint import checkpoint_bytes, checkpoint_disk_gb
-from flux_train.training.layout import reduce_dtype
+from flux_train.training.checkpoint_size import checkpoint_bytes, checkpoint_disk_gb
+from flux_train.training.distributed import reduce_dtype
 
 FIGURES_FILE = Path(__file__).with_name("measured.yaml")
 TOKENS = 256  # text tokens and image tokens of a flux1 sample (256x256 images), as the bench measures them

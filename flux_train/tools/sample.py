@@ -171,7 +171,7 @@ def run_config_file(checkpoint: Path) -> Path:
 
 @reports_user_errors
 def main(argv=None) -> int:
-    from flux_train.training.checkpoint import find_checkpoint, read_weights
+    from flux_train.tools.export import find_checkpoint, read_weights
 
     args = sample_parser().parse_args(argv)
     try:  # before the checkpoint is read: the encoders come last

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from flux_train.config import ConfigError, ModelConfig, checkpoint_dir
+from flux_train.config import ModelConfig, checkpoint_dir
 from flux_train.errors import StorageError, UserError, raise_on_every_rank
 from flux_train.training.train_state import TrainState
 
@@ -84,7 +84,7 @@ def brief(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
 
 
-def _failure(exc: CheckpointException) -> str:
+def failure_text(exc: CheckpointException) -> str:
     """The first failure DCP gathered from its ranks, in a few words."""
     return brief(next(iter(exc.failures.values()))[0])
 
@@ -191,20 +191,6 @@ def resolve_resume(cfg, world_size: int) -> Path | None:
     return None
 
 
-def checkpoint_bytes(cfg) -> float:
-    """One checkpoint's size: the weights (ddp: in the compute dtype, written once; fsdp: fp32) and the fp32 AdamW
-    moments (and ddp's fp32 master weights)."""
-    from flux_train.model.flux import param_count
-
-    weights = getattr(torch, cfg.train.compute_dtype).itemsize + 4 if cfg.parallel.strategy == "ddp" else 4
-    return param_count(cfg.model) * (weights + 8)
-
-
-def checkpoint_disk_gb(cfg) -> float:
-    """Disk the checkpoint folder needs: checkpoint.keep complete checkpoints and the one being written."""
-    return checkpoint_bytes(cfg) * (cfg.checkpoint.keep + 1) / 1e9
-
-
 def remove_leftovers(root: Path) -> None:
     """Temporary folders of saves that were interrupted (a crash, a full disk): as large as a checkpoint."""
     for tmp in root.glob("step_*.tmp") if root.is_dir() else ():
@@ -225,7 +211,7 @@ def _on_every_rank(what: Path, write: Callable[[], None], group=None) -> None:
         write()
         error = None
     except CheckpointException as exc:  # DCP gathers the writers' failures and raises it on every rank
-        error = _failure(exc)
+        error = failure_text(exc)
     except (OSError, RuntimeError) as exc:
         if _os_error(exc) is None:  # not a failed write: a bug, with its traceback
             raise
@@ -330,7 +316,7 @@ def load(path: Path, training) -> tuple[TrainState, dict]:
     try:
         dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as exc:  # raised on every rank alike
-        error = CheckpointError(f"checkpoint {path} could not be read ({_failure(exc)}); {fix}")
+        error = CheckpointError(f"checkpoint {path} could not be read ({failure_text(exc)}); {fix}")
         raise_on_every_rank(error, dist.get_rank() == 0)
     training.load_state_dict(state)
     try:
@@ -338,35 +324,3 @@ def load(path: Path, training) -> tuple[TrainState, dict]:
     except Exception as exc:  # noqa: BLE001 - a cut or garbled file fails in many ways
         raise CheckpointError(f"checkpoint {path}: the loader state could not be read ({brief(exc)}); {fix}") from None
     return progress, loader
-
-
-def find_checkpoint(path: Path) -> Path | None:
-    """`path` if it is a complete checkpoint, else the latest complete one in it; None if there is none."""
-    if (path / PROGRESS).is_file():
-        return path
-    found = list_checkpoints(path)
-    return found[-1] if found else None
-
-
-def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
-    """A DCP checkpoint's model weights (our layout), read in one process (no GPU, no process group). fsdp runs
-    save fp32 weights, ddp runs their bf16 copy (the fp32 master is sharded by flat position, not by tensor)."""
-    from flux_train.model.flux import build_model
-
-    why = unreadable(checkpoint)
-    if why:
-        raise CheckpointError(f"checkpoint {checkpoint} cannot be read: {why}; give another step_XXXXXXXX folder")
-    mismatch = model_mismatch(cfg.model, checkpoint)
-    if mismatch:
-        raise ConfigError(
-            f"checkpoint {checkpoint} does not hold model flavor '{cfg.model.flavor}' ({mismatch}); pass the config "
-            "the run trained with"
-        )
-    model = build_model(cfg.model, rmsnorm_impl="torch")
-    model.to_empty(device="cpu")
-    state = {"model": model.state_dict()}
-    try:
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    except CheckpointException as exc:
-        raise CheckpointError(f"checkpoint {checkpoint} could not be read ({_failure(exc)})") from None
-    return state["model"]

@@ -127,3 +127,12 @@ def collective_failure_line(exc: BaseException, out_dir: str) -> str | None:
     who = stragglers(Path(out_dir) / "heartbeats", world) if world else "unknown"
     rank = dist.get_rank() if world else "?"
     return f"collective failed on rank {rank} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); {who}"
+
+
+def reduce_dtype(pcfg: ParallelConfig, compute_dtype: torch.dtype) -> torch.dtype:
+    """fsdp: the gradient reduce-scatter's dtype (auto: fp32, as the reference reduces). ddp: the cross-node
+    all-reduce's, the reduce-scatter within a node summing the compute dtype (auto: the compute dtype, as the
+    MLPerf submissions reduce: docs/benchmark.md "Gradient reduction precision")."""
+    if pcfg.reduce_dtype == "auto":
+        return torch.float32 if pcfg.strategy == "fsdp" else compute_dtype
+    return torch.float32 if pcfg.reduce_dtype == "float32" else torch.bfloat16

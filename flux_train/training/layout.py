@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flux_train.config import ParallelConfig, TrainConfig
 from flux_train.training.ddp import DDP
+from flux_train.training.distributed import reduce_dtype
 from flux_train.training.fsdp import FSDPTraining
 
 
@@ -48,15 +49,6 @@ class Layout(Protocol):
 
     def load_state_dict(self, state: dict) -> None:
         """After dcp.load filled `state_dict()`'s tensors."""
-
-
-def reduce_dtype(pcfg: ParallelConfig, compute_dtype: torch.dtype) -> torch.dtype:
-    """fsdp: the gradient reduce-scatter's dtype (auto: fp32, as the reference reduces). ddp: the cross-node
-    all-reduce's, the reduce-scatter within a node summing the compute dtype (auto: the compute dtype, as the
-    MLPerf submissions reduce: docs/benchmark.md "Gradient reduction precision")."""
-    if pcfg.reduce_dtype == "auto":
-        return torch.float32 if pcfg.strategy == "fsdp" else compute_dtype
-    return torch.float32 if pcfg.reduce_dtype == "float32" else torch.bfloat16
 
 
 def build_training(

@@ -24,7 +24,7 @@ from flux_train.config import Config, ConfigError, add_overrides, checkpoint_dir
 from flux_train.errors import Parser, UserError, reports_user_errors
 from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on
 from flux_train.model.flux import build_model, count_params
-from flux_train.training.checkpoint import checkpoint_disk_gb
+from flux_train.training.checkpoint_size import checkpoint_disk_gb
 from flux_train.training.heartbeat import node_name
 
 # a worker's own CUDA context and allocator reserve; more in use before the run allocates means another process
