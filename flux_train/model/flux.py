@@ -243,9 +243,13 @@ def build_model(mcfg: ModelConfig, rmsnorm_impl: str = "auto") -> FluxModel:
         return FluxModel(mcfg, rmsnorm_impl)
 
 
-def block_stacks(model: FluxModel) -> tuple[nn.ModuleList, nn.ModuleList]:
-    """The double-stream and single-stream block lists (the regions we compile and shard)."""
-    return model.double_blocks, model.single_blocks
+def block_stacks(model: nn.Module) -> tuple[nn.ModuleList, nn.ModuleList]:
+    """The double-stream and single-stream block lists (the regions we compile and shard) of a FluxModel, also
+    once wrapped (sharded, its blocks compiled)."""
+    double, single = model.get_submodule("double_blocks"), model.get_submodule("single_blocks")
+    if not (isinstance(double, nn.ModuleList) and isinstance(single, nn.ModuleList)):
+        raise TypeError(f"{type(model).__name__} is not a Flux model: no double_blocks/single_blocks lists")
+    return double, single
 
 
 def is_token_linear(fqn: str, module: nn.Module) -> bool:

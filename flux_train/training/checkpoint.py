@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+import typing
 from pathlib import Path
 from typing import Callable
 
@@ -50,7 +51,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / PROGRESS).is_file()]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))  # STEP_DIR matched: digits follow
 
 
 def last_good(root: Path) -> str:
@@ -70,9 +71,10 @@ FULL_BELOW = 1 << 20
 def _os_error(exc: BaseException) -> OSError | None:
     """The OS error under `exc`: itself, or the one torch's writer met (in its context: torch.save raises a
     RuntimeError "[enforce fail at inline_container.cc] unexpected pos" over a failed write to a file object)."""
-    while exc is not None and not isinstance(exc, OSError):
-        exc = exc.__cause__ or exc.__context__
-    return exc
+    found: BaseException | None = exc
+    while found is not None and not isinstance(found, OSError):
+        found = found.__cause__ or found.__context__
+    return found
 
 
 def brief(exc: BaseException) -> str:
@@ -128,12 +130,14 @@ def unreadable(path: Path) -> str | None:
 
 def model_mismatch(mcfg: ModelConfig, path: Path) -> str | None:
     """How the model saved at `path` differs from the one `mcfg` builds (None: same names and shapes)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from flux_train.model.flux import build_model
 
     saved = {
         name.removeprefix("model."): tuple(meta.size)
         for name, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
-        if name.startswith("model.")
+        if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
     mine = {name: tuple(t.shape) for name, t in build_model(mcfg, rmsnorm_impl="torch").state_dict().items()}
     for name in sorted(mine.keys() | saved.keys()):
@@ -204,7 +208,7 @@ def _write(obj, path: Path) -> None:
         torch.save(obj, f)
 
 
-def _on_every_rank(what: Path, write: Callable[[], None], group=None) -> None:
+def _on_every_rank(what: Path, write: Callable[[], object], group=None) -> None:
     """This rank's part of a save; when it fails on any rank every rank raises (none is left waiting in the next
     collective), the main rank with the first failure named."""
     try:
@@ -242,7 +246,7 @@ class Checkpointer:
     def __init__(self, root: Path, keep: int, async_save: bool = False, every_steps: int = 0):
         self.root, self.keep, self.async_save, self.every_steps = root, keep, async_save, every_steps
         # the background writer's collectives run on a gloo group of their own
-        self.group = dist.new_group(backend="gloo") if async_save else None
+        self.group = typing.cast(dist.ProcessGroup, dist.new_group(backend="gloo")) if async_save else None
         self.pending: tuple | None = None  # (future, tmp folder, final folder, progress) of an async save
         self.stager = None
         if async_save and torch.cuda.is_available():

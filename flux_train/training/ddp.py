@@ -19,6 +19,7 @@ compute dtype unless float32 is asked for; docs/benchmark.md "Gradient reduction
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -48,8 +49,8 @@ class Bucket:
     names: list[str]
     params: list[nn.Parameter] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
-    weights: torch.Tensor | None = None
-    grads: torch.Tensor | None = None
+    weights: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # allocated by DDP._build_bucket
+    grads: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     shard_start: int = 0  # this rank's slice of the bucket: [shard_start, shard_start + shard_numel)
     shard_numel: int = 0
     master_offset: int = 0  # where that slice lives in the flat fp32 master/moment tensors
@@ -75,7 +76,7 @@ def _bucket_modules(model: nn.Module) -> list[tuple[nn.Module | None, list[tuple
         for i, block in enumerate(stack)
     ]
     root = [(n, p) for n, p in named if not canonical_name(n).startswith(("double_blocks.", "single_blocks."))]
-    out = [(None, root)]
+    out: list[tuple[nn.Module | None, list[tuple[str, nn.Parameter]]]] = [(None, root)]
     for prefix, block in blocks:
         out.append((block, [(n, p) for n, p in named if canonical_name(n).startswith(prefix)]))
     return out
@@ -192,17 +193,17 @@ class DDP:
         bucket.waiting.remove(index)
         offset = bucket.offsets[index]
         grad = bucket.grads[offset : offset + param.numel()].view(param.shape)
+        assert param.grad is not None  # the hook runs once the gradient is accumulated
         if self._first:  # the first micro-batch overwrites: no zeroing pass
             grad.copy_(param.grad)
         else:
             grad.add_(param.grad)
         param.grad = None
         if self._last and not bucket.waiting and self.shards > 1:
-            self._reductions.append(
-                _reduce_scatter(
-                    bucket.grad_shard, bucket.grads, op=dist.ReduceOp.SUM, group=self.shard_group, async_op=True
-                )
+            work = _reduce_scatter(
+                bucket.grad_shard, bucket.grads, op=dist.ReduceOp.SUM, group=self.shard_group, async_op=True
             )
+            self._reductions.append(typing.cast(dist.Work, work))  # async_op: a Work
 
     def _check_arrived(self, index: int, count: int) -> None:
         missing = [bucket.names[i] for bucket in self.buckets for i in sorted(bucket.waiting)]
@@ -228,7 +229,7 @@ class DDP:
         if self._cross is None:
             works = [dist.all_reduce(b.grad_shard, group=self.replicate_group, async_op=True) for b in self.buckets]
             for work in works:
-                work.wait()
+                typing.cast(dist.Work, work).wait()  # async_op: a Work
             return
         for bucket in self.buckets:
             wide = self._cross[: bucket.shard_numel]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,7 +81,10 @@ def build_mesh(pcfg: ParallelConfig, world: int, local_world: int, device_type: 
     replicate, shard = mesh_shape(pcfg, world, local_world)
     layout = torch.arange(world).view(replicate, shard)
     timeout = datetime.timedelta(seconds=pcfg.timeout_s)
-    groups = [dist.new_subgroups_by_enumeration(ranks.tolist(), timeout=timeout)[0] for ranks in (layout.T, layout)]
+    groups = [
+        typing.cast(dist.ProcessGroup, dist.new_subgroups_by_enumeration(ranks.tolist(), timeout=timeout)[0])
+        for ranks in (layout.T, layout)
+    ]
     return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 

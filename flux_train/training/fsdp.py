@@ -3,11 +3,13 @@ fused AdamW on the sharded fp32 weights, clipping by the global norm as its own 
 
 from __future__ import annotations
 
+import typing
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from flux_train.config import ParallelConfig, TrainConfig
 from flux_train.model.flux import assign_weights, block_stacks
@@ -27,9 +29,11 @@ def parallelize(
     fp32. Each block prefetches the next one's weights in forward and the previous one's in backward."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     shard_mesh = fsdp_mesh(mesh)
-    blocks = [block for stack in block_stacks(model) for block in stack]
-    for block in blocks:
+    blocks = [
         fully_shard(block, mesh=shard_mesh, mp_policy=mp, reshard_after_forward=pcfg.reshard_after_forward)
+        for stack in block_stacks(model)
+        for block in stack
+    ]
     for before, after in zip(blocks, blocks[1:]):
         before.set_modules_to_forward_prefetch([after])
         after.set_modules_to_backward_prefetch([before])
@@ -65,7 +69,8 @@ class FSDPTraining:
         # every micro-batch reduce-scatters into the sharded fp32 grads (skipping it keeps unsharded grads of
         # all 12B parameters: out of memory on H200 at micro-batch 16); the HSDP all-reduce across replicas
         # waits for the last micro-batch
-        self.model.set_requires_all_reduce(index == count - 1)
+        # fully_shard made the root an FSDPModule too (a mixin its type cannot show)
+        typing.cast(FSDPModule, self.model).set_requires_all_reduce(index == count - 1)
 
     def finish_backward(self) -> None:
         pass

@@ -25,30 +25,39 @@ class Layout(Protocol):
 
     def assign_weights(self, values: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full fp32 tensors by name (model.reference_init, or loaded weights) into the layout's weights."""
+        ...
 
     def begin_step(self, lr: float) -> None:
         """This step's learning rate, before any of its device work (a CUDA graph replays what follows)."""
+        ...
 
     def start_micro_batch(self, index: int, count: int) -> None:
         """Before micro-batch `index` of `count`: how its gradients accumulate and when they are reduced."""
+        ...
 
     def finish_backward(self) -> None:
         """After the last micro-batch's backward: every gradient summed over the ranks."""
+        ...
 
     def step(self) -> torch.Tensor:
         """Clip by the global gradient norm and take the AdamW step; the pre-clip norm (a device tensor)."""
+        ...
 
     def wait_params(self) -> None:
         """Before the weights are read outside a forward (checkpoints, the end of a graphed step or of the run)."""
+        ...
 
     def reset_optimizer(self) -> None:
         """Zero moments and step count, keeping the weights (after the warm-up's steps with lr 0)."""
+        ...
 
     def state_dict(self) -> dict:
         """DCP state {"model": weights by name, "optim": optimizer state}, filled in place by dcp.load."""
+        ...
 
     def load_state_dict(self, state: dict) -> None:
         """After dcp.load filled `state_dict()`'s tensors."""
+        ...
 
 
 def build_training(

@@ -8,6 +8,7 @@ worker), since tools sit above training."""
 from __future__ import annotations
 
 import sys
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -31,7 +32,7 @@ class GridSampler(Protocol):
 SamplerFactory = Callable[[Config, torch.device, torch.dtype], GridSampler]
 
 
-def best_effort(path: Path, write: Callable[[], None]) -> bool:
+def best_effort(path: Path, write: Callable[[], object]) -> bool:
     """Pictures for people (the report, sample grids): a failed write (a full disk) is a warning, training goes on."""
     try:
         write()
@@ -45,7 +46,8 @@ def gathered_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the full weights of a training layout's model on rank 0's CPU (an empty dict on the others)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return typing.cast(dict[str, torch.Tensor], state)  # a model's state: tensors
 
 
 class Pictures:
@@ -72,13 +74,14 @@ class Pictures:
         if not self.samples:
             return
         weights = gathered_weights(self.model)  # collective: the full weights on rank 0
-        if self.sampler is None:
+        sampler = self.sampler
+        if sampler is None:
             return
         path = self.out_dir / "samples" / f"step_{step:08d}.png"
 
         def draw() -> None:
             path.parent.mkdir(exist_ok=True)
-            self.sampler.grid(weights).save(path)
+            sampler.grid(weights).save(path)
 
         if best_effort(path, draw):
             print(f"flux-train: samples of step {step}: {path}", flush=True)

@@ -182,7 +182,7 @@ def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) 
 def main(argv=None) -> int:
     from flux_train.training.distributed import init_distributed, shutdown
 
-    ap = Parser(prog="python -m flux_train.training.preflight", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m flux_train.training.preflight", description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--config", default="configs/debug.yaml", help="the run's config (what to check)")
     add_overrides(ap)
     args = ap.parse_args(argv)

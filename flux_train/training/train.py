@@ -8,6 +8,8 @@ eval <= target (success) or at train.max_steps (aborted) -> run_stop.
 from __future__ import annotations
 
 import enum
+import functools
+import operator
 import os
 import signal
 import sys
@@ -142,7 +144,7 @@ class Trainer:
             is_main=self.dist.is_main,
             samples=draws,
             # diffusers and the encoders only where samples are drawn
-            sampler=sampler(cfg, self.device, self.dtype) if draws and self.dist.is_main else None,
+            sampler=sampler(cfg, self.device, self.dtype) if sampler and draws and self.dist.is_main else None,
         )
         self.evaluator = Evaluator(
             model=self.model,
@@ -177,6 +179,7 @@ class Trainer:
 
     def _resume(self) -> None:
         """The checkpoint's state, after the warm-up (whose steps would overwrite the optimizer's moments)."""
+        assert self.resume_from is not None  # run() resumes only where the run folder chose a checkpoint
         self.state, loader_state = checkpoint.load(self.resume_from, self.layout)
         self.data.train.load_state_dict(loader_state)
         if self.fp8 is not None and self.state.fp8 is not None:  # else (no FP8 before): the history starts empty
@@ -239,7 +242,8 @@ class Trainer:
     def _device_step(self, staged: list[tuple[dict, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's device work (what perf.cuda_graphs captures): forward and backward of every micro-batch,
         clipping and AdamW (the gradient norm), the FP8 scales of the next step, the weights' all-gathers."""
-        loss_sum = sum(self._forward_backward(inputs, target, micro) for micro, (inputs, target) in enumerate(staged))
+        losses = [self._forward_backward(inputs, target, micro) for micro, (inputs, target) in enumerate(staged)]
+        loss_sum = functools.reduce(operator.add, losses)  # the micro-batches' losses, summed in order
         grad_norm = self.layout.step()
         if self.fp8 is not None:
             self.fp8.update()
@@ -376,7 +380,9 @@ class Trainer:
                 return Boundary("diverged", first_bad=first_bad)
             overflows = {"fp8_overflows": int(self.fp8.overflows)} if self.fp8 is not None else {}
             lr = lr_at(step - 1, t.lr, t.warmup_steps)
-            metrics.log(step, self.flops_per_sample, loss=mean_loss, lr=lr, grad_norm=float(grad_norm), **overflows)
+            metrics.log(
+                step, self.flops_per_sample or 0.0, loss=mean_loss, lr=lr, grad_norm=float(grad_norm), **overflows
+            )
             if eval_due or stop:
                 return Boundary("eval" if eval_due else "stop", stop)
             if checkpoint_due:
@@ -406,7 +412,8 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
         trainer = Trainer(cfg, sampler)
         status = trainer.run()
     except StorageError as exc:  # a file the run must write could not be written: say where to resume from
-        raise StorageError(f"{exc}; {checkpoint.last_good(checkpoint_dir(cfg))}") from None
+        where = checkpoint.last_good(checkpoint_dir(cfg)) if cfg else "no checkpoint yet"
+        raise StorageError(f"{exc}; {where}") from None
     except RuntimeError as exc:  # out of memory; a collective failed or timed out
         rank = dist.get_rank() if dist.is_initialized() else 0
         oom, stalled = out_of_memory_line(exc, rank), collective_failure_line(exc, cfg.logging.out_dir if cfg else ".")
@@ -426,4 +433,4 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
         shutdown()
         if deadline is not None:
             deadline.cancel()
-    return {Status.PREEMPTED: preemption.EXIT_CODE, Status.DIVERGED: EXIT_DIVERGED}.get(status, 0)
+    return {Status.PREEMPTED: preemption.EXIT_CODE, Status.DIVERGED: EXIT_DIVERGED}.get(status or Status.SUCCESS, 0)
