@@ -685,7 +685,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, (dict, list)) or value is None:
             raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
         return str(value)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
     raise ConfigError(f"{path}: unsupported type {tp}")
 
@@ -826,7 +826,7 @@ def validate(cfg: Config, world_size: int | None = None, gpus_per_node: int | No
         "perf.fp8=delayed: torchao's Float8Linear has no delayed scaling; set perf.fp8_impl=ours",
     )
     need(
-        not cfg.eval.sample_prompts or cfg.eval.sample_weights,
+        not cfg.eval.sample_prompts or bool(cfg.eval.sample_weights),
         "eval.sample_prompts needs eval.sample_weights: a local FLUX.1-schnell folder with vae/ and the text encoders",
     )
     if world_size is not None and t.global_batch_size % (t.micro_batch_size * world_size):

@@ -90,7 +90,8 @@ def quiet_energon_sample_errors() -> None:
         if not (args and isinstance(args[0], str) and args[0].startswith("Except ")):
             print(*args, **kwargs)
 
-    errors.print = print_but_sample_errors
+    # a module global named print shadows the builtin inside energon's errors module (it has none of its own)
+    errors.print = print_but_sample_errors  # pyright: ignore[reportAttributeAccessIssue] - a new global, on purpose
 
 
 @dataclass

@@ -31,6 +31,8 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any, Callable
 
 from flux_train.config import Config, ConfigError, add_overrides, checkpoint_dir, load_config, validate
 from flux_train.errors import Parser, reports_user_errors
@@ -259,7 +261,8 @@ class SignalRelay:
     def __init__(self, node: Node):
         self.node = node
         self.received: set[int] = set()  # read by the main thread once the workers are gone
-        self._previous: dict[int, object] = {}
+        # the handlers signal.signal gives back: a function, SIG_DFL or SIG_IGN, or None (one not set from Python)
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self._thread = threading.Thread(target=self._relay, daemon=True)
 
     def __enter__(self) -> "SignalRelay":
@@ -460,6 +463,7 @@ class NodeAgent:
 
 @reports_user_errors
 def main(argv=None) -> int:
+    assert __doc__ is not None  # this module's docstring
     p = Parser(prog="python -m flux_train.cluster.launch", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML config (a system file from configs/systems/)")
     add_overrides(p)

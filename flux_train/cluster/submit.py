@@ -371,6 +371,7 @@ def sbatch_refusal(stderr: str) -> str:
 
 def submit(cfg: Config, runs: int) -> None:
     import submitit
+    from submitit.core.utils import FailedJobError, JobPaths
 
     if shutil.which("sbatch") is None or shutil.which("srun") is None:
         raise SubmitError(
@@ -382,13 +383,13 @@ def submit(cfg: Config, runs: int) -> None:
     # requeue counting is the agent's (slurm.max_requeue), not submitit's: its USR2 handler is replaced
     executor = submitit.SlurmExecutor(folder=folder, python=shlex.join(python))
     executor.update_parameters(**sbatch_parameters(cfg, folder, srun_args))
-    staging = submitit.core.utils.JobPaths.get_first_id_independent_folder(folder)  # pickles and script go here
+    staging = JobPaths.get_first_id_independent_folder(folder)  # pickles and script go here
     before = set(staging.iterdir()) if staging.is_dir() else set()
     try:
         # submitit prints sbatch's stderr as well as raising it: the one line below carries it
         with contextlib.redirect_stderr(io.StringIO()), executor.batch():  # more than one job: a job array
             jobs = [executor.submit(NodeAgent(run)) for run in campaign(cfg, runs)]
-    except submitit.core.utils.FailedJobError as exc:
+    except FailedJobError as exc:
         for path in set(staging.iterdir()) - before:  # the refused job's files
             path.unlink()
         raise SubmitError(sbatch_refusal(str(exc))) from None

@@ -118,7 +118,9 @@ def check_shards(path: Path) -> None:
 
 class FluxTaskEncoder(DefaultTaskEncoder):
     decoder = None  # parts stay bytes; the cooker decodes them (as NVIDIA's recipe does)
-    cookers = [Cooker(cook)]
+    # energon's Cooker bounds the cook's result to Sample, yet runs one that gives a CrudeSample (a dict: what batch()
+    # collates) as well
+    cookers = [Cooker(cook)]  # pyright: ignore[reportArgumentType] - the Sample bound, above
 
     def batch(self, samples: list[dict]) -> dict:
         return collate(samples, PARTS)
@@ -221,7 +223,7 @@ class EnergonVal:
             self.path,
             split_part="val",
             worker_config=_worker_config(rank, world, workers, 0),
-            batch_size=None,
+            batch_size=None,  # pyright: ignore[reportArgumentType] - typed int; build_batch takes None: no batching
             task_encoder=FluxTaskEncoder(),
         )
 

@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -51,11 +52,11 @@ def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
-        a @ b
+        _ = a @ b
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
-        a @ b
+        _ = a @ b
     torch.cuda.synchronize()
     return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
 
@@ -116,9 +117,11 @@ def profile_breakdown(run, steps: int = 3, top: int = 25) -> tuple[dict, list]:
             run()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1000 / steps
+    events = prof.events()
+    assert events is not None  # the stopped profile's events, parsed on this first read: never None here
     kernels = [
         (e.name, e.time_range.start, e.time_range.end)
-        for e in prof.events()
+        for e in events
         if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
     ]
     return kernel_breakdown(kernels, wall_ms, steps, top)
@@ -138,7 +141,8 @@ def fwdbwd_model(cfg: Config, row: str):
     """(forward(kw) -> output, module, use CUDA graphs, FP8 delayed scaling or None) for a fwdbwd row: ours as the
     trainer assembles it (perf.prepare_model), graphed where the trainer's step would be (config.graphs_on)."""
     if row.startswith("stock"):
-        model = stock_flux(cfg, "cuda").to(torch.bfloat16)
+        # diffusers decorates ModelMixin.to with functools.wraps(nn.Module.to): typeshed's _Wrapped binds no self
+        model = stock_flux(cfg, "cuda").to(torch.bfloat16)  # pyright: ignore[reportArgumentType] - wraps, above
         if row == "stock":
             model.compile_repeated_blocks(fullgraph=True)
         return lambda kw: model(**diffusers_inputs(kw))[0], model, False, None
@@ -222,6 +226,7 @@ def token_gemm_operands(cfg: Config, batch: int, text_len: int, image_tokens: in
         if not is_token_linear(fqn, module):
             continue
         tokens = batch * (text_len if ".txt_" in fqn else image_tokens if ".img_" in fqn else text_len + image_tokens)
+        assert isinstance(module, torch.nn.Linear)  # as is_token_linear's modules are
         n, k = module.weight.shape
         for shape in ((tokens, k), (n, k), (tokens, n)):
             shapes[shape] = shapes.get(shape, 0) + 1
@@ -428,7 +433,7 @@ def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, tuple | None]:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for stack in (model.transformer_blocks, model.single_transformer_blocks):
         for i, block in enumerate(stack):
-            stack[i] = torch.compile(block, fullgraph=True)
+            stack[i] = cast(torch.nn.Module, torch.compile(block, fullgraph=True))  # a Module compiles to a Module
             fully_shard(stack[i], mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     model.to_empty(device="cuda")

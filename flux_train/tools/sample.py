@@ -20,6 +20,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from PIL import Image
@@ -34,7 +35,7 @@ from flux_train.model.diffusers_adapter import diffusers_config, quiet_diffusers
 
 STEPS = 4  # Flux.1-schnell's sampler: 4 steps, guidance-distilled (no classifier-free guidance)
 # FLUX.1-schnell's scheduler_config.json: Euler over the flow, no resolution-dependent shift
-SCHEDULER = dict(
+SCHEDULER: dict[str, Any] = dict(
     num_train_timesteps=1000,
     shift=1.0,
     use_dynamic_shifting=False,
@@ -120,6 +121,8 @@ class Sampler:
     @classmethod
     def for_run(cls, cfg: Config, device: torch.device, dtype: torch.dtype) -> "Sampler":
         """The trainer's: eval.sample_prompts with the models of eval.sample_weights."""
+        # the trainer builds a sampler only with sample_prompts, which validate() lets through only with sample_weights
+        assert cfg.eval.sample_prompts and cfg.eval.sample_weights
         return cls(
             Weights.in_pipeline_folder(cfg.eval.sample_weights),
             read_prompts(cfg.eval.sample_prompts),
@@ -136,24 +139,30 @@ class Sampler:
         """One image per prompt from `state` (our layout), `size` pixels square, in a grid of `columns`
         (default: about square)."""
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+        from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 
         with torch.device("meta"):
             transformer = FluxTransformer2DModel(**diffusers_config(self.model))
         weights = {k: v.to(self.device, self.dtype) for k, v in to_diffusers(state, self.model).items()}
         transformer.load_state_dict(weights, assign=True, strict=True)
-        pipe = FluxPipeline(
-            FlowMatchEulerDiscreteScheduler(**SCHEDULER), self.vae, None, None, None, None, transformer.eval()
-        )
+        # no text encoders or tokenizers: the prompts come encoded (prompt_embeds); diffusers' types want them all
+        no_text = cast(Any, None)
+        scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+        pipe = FluxPipeline(scheduler, self.vae, no_text, no_text, no_text, no_text, transformer.eval())
         pipe.set_progress_bar_config(disable=True)
-        images = pipe(
-            prompt_embeds=self.t5,
-            pooled_prompt_embeds=self.clip,
+        out = pipe(
+            # diffusers types the embeddings torch.FloatTensor (float32's legacy class): any float tensor goes
+            prompt_embeds=cast(torch.FloatTensor, self.t5),
+            pooled_prompt_embeds=cast(torch.FloatTensor, self.clip),
             num_inference_steps=STEPS,
             guidance_scale=0.0,
             height=size,
             width=size,
             generator=torch.Generator().manual_seed(seed),
-        ).images
+        )
+        # return_dict=True and output_type="pil", the defaults: a FluxPipelineOutput of PIL images
+        assert isinstance(out, FluxPipelineOutput) and isinstance(out.images, list)
+        images = out.images
         return image_grid(images, columns or math.ceil(math.sqrt(len(images))))
 
 
