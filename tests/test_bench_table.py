@@ -112,3 +112,17 @@ def test_a_failed_row_says_what_happened_in_one_line():
     assert lines["other"] == "KeyError: 'fp8_scale'"
     # an out of memory leaves the process able to measure the next row; a CUDA error does not
     assert bench.usable_after(oom) and not bench.usable_after(illegal) and bench.usable_after(KeyError("x"))
+
+
+def test_fwdbwd_rows_are_graphed_where_the_trainer_would_capture_its_step():
+    """Under perf.cuda_graphs=auto (an H200 system config: ddp, bf16) our FP8 rows run graphed as the trainer's step
+    would with that recipe, the bf16 row eager; the no-graphs ablation never, a config's `true` always."""
+    from flux_train.config import load_config
+
+    auto = load_config("configs/systems/H200_01x08.yaml")
+    assert bench.row_perf(auto, "ours-fp8-delayed").cuda_graphs is True
+    assert bench.row_perf(auto, "ours").cuda_graphs is False
+    forced = load_config("configs/bench.yaml")
+    assert bench.row_perf(forced, "ours").cuda_graphs is True
+    assert bench.row_perf(forced, "ours-no-graphs").cuda_graphs is False
+    assert bench.row_perf(forced, "torchao-fp8-tensorwise").fp8_impl == "torchao"

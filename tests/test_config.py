@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from flux_train.config import ConfigError, eval_interval_steps, keys, load_config, validate
+from flux_train.config import ConfigError, eval_interval_steps, graphs_on, keys, load_config, validate
 
 CONFIG_DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 GENERATED = "<!-- generated from flux_train/config.py: everything below -->\n"
@@ -210,3 +210,26 @@ def test_config_md_shows_every_key_as_its_field_declares_it():
     assert generated == key_tables(), (
         "docs/config.md differs from flux_train/config.py (FLUX_DOCS_REGENERATE=1 rewrites it)"
     )
+
+
+@pytest.mark.parametrize(
+    "sets, device, graphed",
+    [
+        (["parallel.strategy=ddp", "perf.fp8=delayed", "perf.warmup_iters=1"], "cuda", True),
+        (["parallel.strategy=ddp", "perf.warmup_iters=1"], "cuda", False),  # bf16: measured slower graphed
+        (["parallel.strategy=fsdp", "perf.fp8=delayed", "perf.warmup_iters=1"], "cuda", False),  # cannot capture
+        (["parallel.strategy=ddp", "perf.fp8=delayed", "perf.warmup_iters=1"], "cpu", False),
+        (["parallel.strategy=ddp", "perf.fp8=delayed", "perf.warmup_iters=0"], "cuda", False),  # nothing to capture in
+        (
+            ["parallel.strategy=ddp", "perf.fp8=delayed", "perf.warmup_iters=1", "train.inject_nan_at_step=3"],
+            "cuda",
+            False,
+        ),
+        (["parallel.strategy=ddp", "perf.warmup_iters=1", "perf.cuda_graphs=true"], "cuda", True),
+        (["parallel.strategy=ddp", "perf.fp8=delayed", "perf.warmup_iters=1", "perf.cuda_graphs=false"], "cuda", False),
+    ],
+)
+def test_cuda_graphs_auto_captures_the_ddp_step_with_fp8_on_a_gpu(sets, device, graphed):
+    """perf.cuda_graphs=auto (the default): the step is a CUDA graph where it can be captured and was measured to
+    pay (ddp, FP8, a GPU, a warm-up to capture in, no NaN hook); true and false decide by themselves."""
+    assert graphs_on(load_config("configs/debug.yaml", sets), device) is graphed

@@ -173,3 +173,32 @@ def test_submit_refuses_a_job_that_cannot_fit_and_names_what_would(capsys, tmp_p
     fix = shlex.split(err.split("what fits: --set ", 1)[1].split(" (", 1)[0])
     assert sub.main([*argv, *[a for f in fix for a in ("--set", f)]]) == 0
     assert "fits" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_eval_rate_of_another_depth_carries_over_at_its_flop_rate(capsys, tmp_path):
+    """An eval rate measured at 6 + 12 blocks is not the 12B model's: the plan takes it at the row's FLOP rate (an
+    eval is one forward per sample), so the full model's evals take flops(19+38)/flops(6+12) times as long."""
+    eval_rate = 300.0
+    rows = tmp_path / "rows.jsonl"
+    step = {"mode": "step", "row": "ours", "world": 2, "batch": 8, "accum": 1, "strategy": "ddp", "precision": "bf16",
+            "samples_s_per_gpu": 60.0, "eval_samples_s_per_gpu": eval_rate, "blocks": [6, 12],
+            "device": "NVIDIA H200"}  # fmt: skip
+    rows.write_text(json.dumps(step) + "\n")
+    got = plan_json(capsys, tmp_path, "--config", H200, "--measured", str(rows))["plans"][0]
+    cfg = load_config(H200)
+    small = load_config(H200, ["model.num_layers=6", "model.num_single_layers=12"])
+    scaled = eval_rate * plan.flops_per_sample(small.model, 256, 256) / plan.flops_per_sample(cfg.model, 256, 256)
+    assert got["time_to_train"]["eval_s"] == pytest.approx(plan.EVAL_SAMPLES / (scaled * got["gpus"]), rel=1e-6)
+    assert "at their FLOP rate" in got["sources"]["eval"] and f"{rows} row 1" in got["sources"]["eval"]
+
+
+def test_check_projects_graphed_and_eager_steps_apart(capsys, tmp_path):
+    """Graphed and eager step rows of one configuration are checked apart (FP8's eager step waits on the host,
+    which the projection does not model); the graphed ones, what perf.cuda_graphs=auto runs with FP8, within 10 %."""
+    checked = plan_json(capsys, tmp_path, "--config", H200, "--check")
+    fp8 = [r for r in checked if r["blocks"] == [6, 12] and r["micro_batch"] == 8 and "fp8" in r["layout"]]
+    for gpus in (1, 2):
+        rows = {r["layout"]: r for r in fp8 if r["gpus"] == gpus}
+        assert set(rows) == {"ddp fp8 delayed, graphs", "ddp fp8 delayed, eager"}, (gpus, list(rows))
+        graphed = rows["ddp fp8 delayed, graphs"]
+        assert graphed["projected_samples_s_per_gpu"] == pytest.approx(graphed["measured_samples_s_per_gpu"], rel=0.1)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from flux_train.cli import BENCH_ROWS, bench_parser
-from flux_train.config import Config, graphs_on, load_config
+from flux_train.config import Config, PerfConfig, graphs_on, load_config
 from flux_train.data.sources import synthetic_samples
 from flux_train.errors import UserError, reports_user_errors
 from flux_train.kernels.fp8 import FP8Scaling
@@ -45,6 +45,7 @@ from flux_train.model import flow
 from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.model.flux import build_model, flops_per_sample, init_weights, is_token_linear
 from flux_train.tools.bench_table import kernel_breakdown, precision_of, print_table, read_rows
+from flux_train.training.distributed import is_out_of_memory
 from flux_train.training.perf import CudaGraph, prepare_model, select_attention_backend, torch_default_attention
 
 
@@ -137,6 +138,21 @@ def stock_flux(cfg: Config, device: str):
         return FluxTransformer2DModel(**diffusers_config(cfg.model))
 
 
+def row_perf(cfg: Config, row: str) -> PerfConfig:
+    """The perf settings one of our fwdbwd rows runs with: the config's, with the row's FP8 recipe or ablation, and
+    CUDA graphs where the trainer would capture its step with that recipe (config.graphs_on)."""
+    perf = cfg.perf
+    if "-fp8-" in row:
+        impl, _, recipe = row.partition("-fp8-")
+        perf = replace(perf, fp8=recipe, fp8_impl=impl)
+    return replace(
+        perf,
+        cuda_graphs=graphs_on(replace(cfg, perf=perf), "cuda") and row != "ours-no-graphs",
+        compile="none" if row == "ours-no-compile" else perf.compile,
+        rmsnorm="torch" if row == "ours-torch-rmsnorm" else perf.rmsnorm,
+    )
+
+
 def fwdbwd_model(cfg: Config, row: str):
     """(forward(kw) -> output, module, use CUDA graphs, FP8 delayed scaling or None) for a fwdbwd row: ours as the
     trainer assembles it (perf.prepare_model), graphed where the trainer's step would be (config.graphs_on)."""
@@ -146,16 +162,7 @@ def fwdbwd_model(cfg: Config, row: str):
         if row == "stock":
             model.compile_repeated_blocks(fullgraph=True)
         return lambda kw: model(**diffusers_inputs(kw))[0], model, False, None
-    perf = cfg.perf
-    if "-fp8-" in row:
-        impl, _, recipe = row.partition("-fp8-")
-        perf = replace(perf, fp8=recipe, fp8_impl=impl)
-    perf = replace(
-        perf,
-        cuda_graphs=graphs_on(cfg, "cuda") and row != "ours-no-graphs",
-        compile="none" if row == "ours-no-compile" else perf.compile,
-        rmsnorm="torch" if row == "ours-torch-rmsnorm" else perf.rmsnorm,
-    )
+    perf = row_perf(cfg, row)
     model = build_model(cfg.model, perf.rmsnorm)
     model.to_empty(device="cuda")
     init_weights(model, seed=0)
@@ -303,8 +310,7 @@ def run_step(cfg: Config, args, row: str) -> dict:
         seconds, warm, profile = stock_fsdp_step(cfg, args)
         base |= {"precision": "bf16", "label": "stock diffusers + FSDP2 (per-block compile, fused AdamW)"}
     else:
-        seconds, warm, profile, eval_rate = trainer_step(cfg, args)
-        graphs = graphs_on(cfg, "cuda")
+        seconds, warm, profile, eval_rate, graphs = trainer_step(cfg, args)
         base |= {
             "precision": precision_of("ours", cfg),
             "strategy": cfg.parallel.strategy,
@@ -346,7 +352,8 @@ def trainer_overrides(cfg: Config, args) -> list[str]:
     ]
 
 
-def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, float]:
+def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, float, bool]:
+    """(seconds per step, warm-up seconds, profile, eval samples/s per GPU, whether the step ran as a CUDA graph)."""
     from flux_train.tools.sample import Sampler
     from flux_train.training.train import Trainer
 
@@ -362,8 +369,9 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, float]:
     eval_rate = count / (time.perf_counter() - e0) / dist.get_world_size()
     if args.checkpoint:
         print("CHECKPOINT " + json.dumps(checkpoint_timings(trainer, args, seconds)), flush=True)
+    graphed = trainer.graphed is not None
     trainer.close()  # its graph before the process group (Trainer.close)
-    return seconds, warm, profile, round(eval_rate, 1)
+    return seconds, warm, profile, round(eval_rate, 1), graphed
 
 
 def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
@@ -540,7 +548,7 @@ def row_error(exc: BaseException) -> str:
     """What stopped a row, in one line: out of memory with the sizes, an illegal memory access, a compile
     failure, or the exception's type and first words."""
     text = " ".join(str(exc).split())
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower() or "ALLOC_FAILED" in text:
+    if is_out_of_memory(exc):
         sizes = ". ".join(text.split(". ")[:3])  # torch's: what it tried to allocate, the total, what was free
         peak = (
             f" (torch's peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)" if torch.cuda.is_available() else ""
@@ -557,9 +565,7 @@ def usable_after(exc: BaseException) -> bool:
     """Whether this process can measure another row: not after a CUDA error other than out of memory (the
     context is lost: every later call fails the same way)."""
     text = str(exc)
-    if isinstance(exc, torch.OutOfMemoryError) or "ALLOC_FAILED" in text:  # a library's workspace: memory too
-        return True
-    return not ("CUDA error" in text or "CUDA driver error" in text)
+    return is_out_of_memory(exc) or not ("CUDA error" in text or "CUDA driver error" in text)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,11 @@ class CheckpointError(UserError):
     label = "checkpoint error"
 
 
+def step_folder(root: Path, step: int) -> Path:
+    """Where the checkpoint of `step` goes (STEP_DIR's form)."""
+    return root / f"step_{step:08d}"
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints, oldest first (temporary `.tmp` folders of interrupted saves are ignored)."""
     if not root.is_dir():
@@ -263,7 +268,8 @@ class Checkpointer:
         """Write a checkpoint of the current state; returns its final folder (complete on return unless async)."""
         self.wait()
         rank, progress = dist.get_rank(), state.to_progress()  # as of now: training goes on during an async save
-        final, tmp = self.root / f"step_{state.step:08d}", self.root / f"step_{state.step:08d}.tmp"
+        final = step_folder(self.root, state.step)
+        tmp = final.with_name(final.name + ".tmp")
 
         def start() -> None:
             if rank == 0:

@@ -103,14 +103,21 @@ def shutdown() -> None:
     gc.collect()
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's allocator out of memory, or a library's: NCCL's buffers surface as a failed calloc, cuBLAS's
+    workspace as CUBLAS_STATUS_ALLOC_FAILED."""
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or any(
+        m in text for m in ("cuda calloc", "alloc_failed", "out of memory")
+    )
+
+
 def out_of_memory_line(exc: BaseException, rank: int) -> str | None:
     """One line for an out-of-memory anywhere in the step -- torch's allocator, NCCL's own buffers ("Failed to CUDA
     calloc") or a library's workspace -- else None."""
-    text = str(exc)
-    # NCCL's buffers surface as a failed calloc, cuBLAS's workspace as CUBLAS_STATUS_ALLOC_FAILED
-    memory = ("CUDA calloc", "ALLOC_FAILED", "out of memory")
-    if not (isinstance(exc, torch.OutOfMemoryError) or any(m in text or m in text.lower() for m in memory)):
+    if not is_out_of_memory(exc):
         return None
+    text = str(exc)
     held = ""
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30

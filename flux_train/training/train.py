@@ -336,8 +336,7 @@ class Trainer:
         preempted run has just saved it; a diverged one keeps its last good checkpoint, not the non-finite state."""
         if not self.cfg.checkpoint.final or status not in (Status.SUCCESS, Status.ABORTED):
             return
-        saved = checkpoint.list_checkpoints(self.checkpointer.root)
-        if saved and saved[-1].name == f"step_{self.state.step:08d}":  # the step cap was a checkpoint step
+        if checkpoint.step_folder(self.checkpointer.root, self.state.step).is_dir():  # the cap was a checkpoint step
             return
         self.save_checkpoint()
         self.checkpointer.close()
