@@ -15,7 +15,9 @@
 #   bash tests/gpu_check.sh fp8-numerics   STEPS (1000) steps bf16 vs FP8 (delayed) on a learnable synthetic stream
 #                                      (1 GPU, 4 + 8 blocks): the losses' largest gap after step 100, FP8 overflows
 #   bash tests/gpu_check.sh step-small two-GPU training step at flux-schnell's width and 6 + 12 blocks, micro-batch 8:
-#                                      stock FSDP2, ours ddp bf16 and FP8 delayed, graphs on and off (80 GB GPUs)
+#                                      stock FSDP2, ours ddp bf16 and FP8 delayed, graphs on and off (80 GB GPUs;
+#                                      DEPTH="19 38" the full model on two H200, VARIANTS="none:false delayed:true"
+#                                      our rows as FP8 recipe:graphs, EXTRA="--set k=v" more settings)
 #   bash tests/gpu_check.sh step       full flux-schnell training step on all GPUs: stock FSDP2 vs ours (fsdp, ddp,
 #                                      FP8, accumulation 4, graphs), profiles, eval rate, step efficiency refs
 #   bash tests/gpu_check.sh checkpoint save/load and async-save timings of the trainer's full state on all GPUs,
@@ -102,14 +104,14 @@ print("fp8 overflows: total", counts[-1][1] if counts else None, "per step by lo
 EOF
     ;;
   step-small)  # two 80 GB GPUs: the full model's ddp optimizer does not fit, its width at 6 + 12 blocks does
+    # (DEPTH="19 38" on two H200: the full model); VARIANTS="fp8:graphs ..." picks our rows
     SMALL="--mode step --config configs/systems/H200_01x08.yaml --set train.micro_batch_size=8 --steps 10
-           --set model.num_layers=6 --set model.num_single_layers=12"
+           ${DEPTH_SET:---set model.num_layers=6 --set model.num_single_layers=12} ${EXTRA:-}"
     tbench $SMALL --rows stock > "$OUT/step_small.log" 2>&1 || log "stock step failed"
-    for fp8 in none delayed; do
-      for g in true false; do
-        tbench $SMALL --rows ours --set parallel.strategy=ddp --set perf.fp8=$fp8 --set perf.cuda_graphs=$g \
-          ${PROFILE_STEP:+--profile} >> "$OUT/step_small.log" 2>&1 || log "ours step fp8=$fp8 graphs=$g failed"
-      done
+    for variant in ${VARIANTS:-none:true none:false delayed:true delayed:false}; do
+      fp8=${variant%:*} g=${variant#*:}
+      tbench $SMALL --rows ours --set parallel.strategy=ddp --set perf.fp8=$fp8 --set perf.cuda_graphs=$g \
+        ${PROFILE_STEP:+--profile} >> "$OUT/step_small.log" 2>&1 || log "ours step fp8=$fp8 graphs=$g failed"
     done
     log "step-small done: $(grep -c '^ROW {' "$OUT/step_small.log") rows" ;;
   step)  # the comparison that matters: stock vs ours, bf16 and FP8, with profiles and step-efficiency references

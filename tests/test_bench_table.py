@@ -114,6 +114,18 @@ def test_a_failed_row_says_what_happened_in_one_line():
     assert bench.usable_after(oom) and not bench.usable_after(illegal) and bench.usable_after(KeyError("x"))
 
 
+def test_a_step_row_is_labelled_by_its_micro_batch_failed_or_not():
+    """A failed step row (out of memory, say) names the micro-batch it ran, as a measured one does, not the
+    forward+backward rows' --batch (the full model's ddp step on two H200 at micro-batch 8 was shown as 16)."""
+    from argparse import Namespace
+
+    from flux_train.config import load_config
+
+    cfg = load_config("configs/systems/H200_01x08.yaml", ["train.micro_batch_size=8"])
+    assert bench.row_batch(cfg, Namespace(mode="step", batch=16)) == 8
+    assert bench.row_batch(cfg, Namespace(mode="fwdbwd", batch=4)) == 4
+
+
 def test_fwdbwd_rows_are_graphed_where_the_trainer_would_capture_its_step():
     """Under perf.cuda_graphs=auto (an H200 system config: ddp, bf16) our FP8 rows run graphed as the trainer's step
     would with that recipe, the bf16 row eager; the no-graphs ablation never, a config's `true` always."""

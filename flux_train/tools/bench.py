@@ -301,9 +301,14 @@ def run_casts(cfg: Config, args, row: str) -> dict:
 # ------------------------------------------------------------------------------------ training step
 
 
+def row_batch(cfg: Config, args) -> int:
+    """The batch a row is labelled by: a step row's micro-batch (train.micro_batch_size), else --batch."""
+    return cfg.train.micro_batch_size if args.mode == "step" else args.batch
+
+
 def run_step(cfg: Config, args, row: str) -> dict:
     world = dist.get_world_size()
-    mb = cfg.train.micro_batch_size
+    mb = row_batch(cfg, args)
     base = {"mode": "step", "row": row, "world": world, "batch": mb, "accum": args.accum}
     base["attention"] = row_attention(cfg, row)  # the trainer selects perf.attention again, the same way
     if row == "stock":
@@ -521,7 +526,7 @@ def measure(cfg: Config, args, rows: list[str]) -> int:
             )
         except Exception as exc:  # noqa: BLE001 - every failure of a row becomes its one line
             error = exc
-            result = {"mode": args.mode, "row": row, "batch": args.batch, "error": row_error(exc)}
+            result = {"mode": args.mode, "row": row, "batch": row_batch(cfg, args), "error": row_error(exc)}
             print(f"ROW FAILED {row}: {result['error']}", flush=True)
             failed.append(row)
         result |= {
