@@ -94,10 +94,17 @@ def test_ddp_memory_model_is_the_layouts_buffers(gpus):
 
 def test_projection_against_the_measured_steps(capsys, tmp_path):
     """Each 2-GPU full-model configuration measured on H200, projected from the other configurations' rows: peak
-    memory (from the one-GPU forward+backward rows only) within 2 %, the ddp step within 10 %."""
+    memory (from the one-GPU forward+backward rows only) within 2 %, the ddp step within 10 %. Micro-batch 4 holds
+    the two terms the per-sample fit alone got wrong: our FP8 keeps every transposed e4m3 weight for the backward
+    (fitted per sample: 3.8 % low), and batch-4 rows peak at the weights and their gradients (counted as
+    activations: bf16 at micro-batch 8 5.5 % high)."""
     checked = plan_json(capsys, tmp_path, "--config", H200, "--check")
     two = [r for r in checked if r["gpus"] == 2 and r["blocks"] == [19, 38]]
-    assert {r["layout"] for r in two} == {"ddp bf16", "ddp fp8 tensorwise", "fsdp bf16"}
+    assert {r["layout"] for r in two} == {
+        "ddp bf16", "ddp fp8 tensorwise (torchao)", "fsdp bf16", "ddp bf16, eager", "ddp fp8 delayed, eager",
+        "ddp fp8 delayed, graphs",
+    }  # fmt: skip
+    assert {r["micro_batch"] for r in two} == {4, 8}
     for r in two:
         assert r["projected_peak_gib"] == pytest.approx(r["measured_peak_gib"], rel=0.02), r
         if r["layout"].startswith("ddp"):

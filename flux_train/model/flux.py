@@ -403,3 +403,14 @@ def _param_count(model_json: str) -> int:
 def param_count(mcfg: ModelConfig) -> int:
     """The parameter count of the model `mcfg` builds, from the model built on the meta device (once per model)."""
     return _param_count(json.dumps(dataclasses.asdict(mcfg)))
+
+
+@functools.lru_cache
+def _token_linear_param_count(model_json: str) -> int:
+    model = build_model(ModelConfig(**json.loads(model_json)))
+    return sum(count_params(m) for fqn, m in model.named_modules() if is_token_linear(fqn, m))
+
+
+def token_linear_param_count(mcfg: ModelConfig) -> int:
+    """The parameters of the Linears `is_token_linear` selects (those perf.fp8 runs in FP8)."""
+    return _token_linear_param_count(json.dumps(dataclasses.asdict(mcfg)))

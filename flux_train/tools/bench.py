@@ -214,6 +214,8 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
         "warm_s": round(warm, 1),
         "graphs": graphs,
     }
+    if result["precision"] != "bf16":
+        result["fp8_impl"] = row_perf(cfg, row).fp8_impl
     if args.profile:
         result["profile"], result["top_kernels"] = profile_breakdown(run)
     if graphs:
@@ -318,6 +320,7 @@ def run_step(cfg: Config, args, row: str) -> dict:
         seconds, warm, profile, eval_rate, graphs = trainer_step(cfg, args)
         base |= {
             "precision": precision_of("ours", cfg),
+            **({"fp8_impl": cfg.perf.fp8_impl} if cfg.perf.fp8 != "none" else {}),
             "strategy": cfg.parallel.strategy,
             "graphs": graphs,
             "eval_samples_s_per_gpu": eval_rate,

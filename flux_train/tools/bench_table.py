@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 from flux_train.config import Config
 from flux_train.errors import UserError
@@ -56,6 +57,15 @@ def kernel_breakdown(kernels: list[tuple[str, float, float]], wall_ms: float, st
     out["step (profiled)"] = round(wall_ms, 1)
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
     return out, [[name[:120], kind, round(ms / steps, 2), count // steps] for name, (kind, ms, count) in ranked]
+
+
+def fp8_impl_of(row: dict) -> Literal["ours", "torchao"] | None:
+    """Whose FP8 kernels a bench row measured: None for bf16, else "ours" or "torchao" (the row's fp8_impl; rows
+    written before the bench recorded it: torchao when named for it)."""
+    if row.get("precision", "bf16") == "bf16":
+        return None
+    impl = row.get("fp8_impl") or ("torchao" if row["row"].startswith("torchao") else "ours")
+    return "torchao" if impl == "torchao" else "ours"
 
 
 def precision_of(row: str, cfg: Config) -> str:

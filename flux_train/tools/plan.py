@@ -14,9 +14,10 @@ enter are lower bounds.
 Per GPU, with P parameters, S GPUs sharing the optimizer state (a node) and R replicas (the nodes):
 - memory: ddp holds the weights and a gradient buffer in the compute dtype and 12 P / S bytes of fp32 master
   weights and AdamW moments (flux_train/training/ddp.py); fsdp holds 12 P / S, the fp32 gradient shards between
-  micro-batches when accumulating, and two blocks' gathered weights (flux_train/training/fsdp.py). Activations:
-  micro-batch x blocks x the figure per sample and block of one-GPU forward+backward rows (their peak less the
-  weights).
+  micro-batches when accumulating, and two blocks' gathered weights (flux_train/training/fsdp.py). Our FP8
+  (perf.fp8 delayed or tensorwise) keeps one byte per FP8 parameter from forward to backward (the transposed e4m3
+  weights). Activations: micro-batch x blocks x the figure per sample and block of one-GPU forward+backward rows
+  (their peak less the weights and FP8 weights; rows whose peak is the weights and their gradients are left out).
 - step: compute (samples x FLOPs per sample at the forward+backward FLOP rate measured nearest that batch) +
   optimizer (ms per 1e9 parameters of the shard) + the exposed part of the traffic within the node (bytes per
   step by layout over the bus bandwidth, times the fraction left exposed in the step rows of this kind) + the
@@ -48,10 +49,10 @@ from flux_train.config import (
     mesh_shape,
 )
 from flux_train.errors import UserError, reports_user_errors
-from flux_train.model.flux import flops_per_sample, param_count
+from flux_train.model.flux import flops_per_sample, param_count, token_linear_param_count
 from flux_train.outputs.results import BENCHMARK, RULESET, USAGE, rcp_samples
 from flux_train.private_apis import rcp_batch_sizes
-from flux_train.tools.bench_table import precision_of, read_rows
+from flux_train.tools.bench_table import fp8_impl_of, precision_of, read_rows
 from flux_train.training.checkpoint_size import checkpoint_bytes, checkpoint_disk_gb
 from flux_train.training.distributed import reduce_dtype
 
@@ -133,13 +134,13 @@ class Figures:
 
 
 def step_setup(row: dict) -> tuple | None:
-    """What a step row measured, as one key: depth, GPUs, micro-batch, accumulation, layout, precision, graphs
-    (None: not recorded)."""
+    """What a step row measured, as one key: depth, GPUs, micro-batch, accumulation, layout, precision, whose FP8,
+    graphs (None: not recorded)."""
     if row["mode"] != "step":
         return None
     return (
         tuple(row["blocks"]), row["world"], row["batch"], row["accum"], row["strategy"], row["precision"],
-        row.get("graphs"),
+        fp8_impl_of(row), row.get("graphs"),
     )  # fmt: skip
 
 
@@ -154,6 +155,7 @@ def row_config(cfg: Config, row: dict) -> Config:
     c.parallel.strategy = row.get("strategy", c.parallel.strategy)
     c.parallel.dp_shard = c.parallel.dp_replicate = -1
     c.perf.fp8 = row["precision"].removeprefix("fp8 ") if row["precision"] != "bf16" else "none"
+    c.perf.fp8_impl = fp8_impl_of(row) or c.perf.fp8_impl
     c.slurm.nodes, c.slurm.gpus_per_node = 1, row.get("world", 1)
     return c
 
@@ -198,16 +200,43 @@ class Notes:
         return found[0]
 
 
-def activation_figure(cfg: Config, figs: Figures) -> tuple[float, str] | None:
-    """GiB per sample and block: one-GPU forward+backward rows' peak less their bf16 weights."""
+def nearest_batch(rows: list[dict], batch: int) -> int:
+    """The rows' batch nearest `batch` by ratio (a tie: the larger)."""
+    return min({r["batch"] for r in rows}, key=lambda b: (abs(math.log(b / batch)), -b))
+
+
+def same_precision(cfg: Config):
+    """A row filter: rows measured at cfg's precision (FP8: with the same implementation)."""
     precision = precision_of("ours", cfg)
-    rows, where = figs.rows("fwdbwd", lambda r: r["precision"] == precision and "peak_gib" in r, any_kind=True)
+    return lambda r: r["precision"] == precision and fp8_impl_of(r) in (None, cfg.perf.fp8_impl)
+
+
+def fp8_weight_bytes(cfg: Config) -> int:
+    """What our tensorwise FP8 recipes hold for the whole step whatever the batch: every FP8 Linear's transposed
+    e4m3 weight, kept for the backward (one byte per parameter). Measured on two H200, full model, micro-batch 4:
+    fitted per sample instead, the FP8 peak came out 3.8 % low."""
+    if cfg.perf.fp8 in ("delayed", "tensorwise") and cfg.perf.fp8_impl == "ours":
+        return token_linear_param_count(cfg.model)
+    return 0
+
+
+def activation_figure(cfg: Config, figs: Figures) -> tuple[float, str] | None:
+    """GiB per sample and block: one-GPU forward+backward rows' peak less their bf16 weights (and FP8 weights)."""
+    precision, same = precision_of("ours", cfg), same_precision(cfg)
+    rows, where = figs.rows("fwdbwd", lambda r: same(r) and "peak_gib" in r, any_kind=True)
     if not rows:
         return None
-    per = [
-        (r["peak_gib"] - 2 * param_count(row_config(cfg, r).model) / GIB) / (r["batch"] * sum(r["blocks"]))
-        for r in rows
-    ]
+    per = []
+    for r in rows:
+        rcfg = row_config(cfg, r)
+        params = param_count(rcfg.model)
+        if r["peak_gib"] <= 1.02 * 4 * params / GIB:
+            # the peak is the weights and their whole gradient at the end of the backward (every batch-4 row on
+            # H100 and H200, bf16 and FP8 alike): it says nothing of the activations
+            continue
+        per.append((r["peak_gib"] - (2 * params + fp8_weight_bytes(rcfg)) / GIB) / (r["batch"] * sum(r["blocks"])))
+    if not per:
+        return None
     mean = statistics.fmean(per)
     return mean, f"{mean:.4f} GiB per sample and block, {len(per)} {precision} fwdbwd row(s) ({where})"
 
@@ -223,6 +252,7 @@ def memory(cfg: Config, figs: Figures, notes: Notes) -> dict:
     else:  # fp32 weights and moments sharded; gradient shards kept while accumulating; two blocks gathered
         grads = 4 * params / shards if accumulation_steps(cfg, world) > 1 else 0
         state = 12 * params / shards + grads + 2 * width * params / blocks
+    state += fp8_weight_bytes(cfg)  # held from the forward to the backward, like state
     per_block = notes.use("activations", activation_figure(cfg, figs), "no forward+backward row with a peak", False)
     out = {"state_gib": state / GIB, "activations_gib": None, "peak_gib": state / GIB, "capacity_gib": None}
     if per_block is not None:
@@ -254,10 +284,10 @@ def step_parts(cfg: Config, figs: Figures, notes: Notes) -> dict:
     replicas, shards = mesh_shape(cfg.parallel, world, cfg.slurm.gpus_per_node)
     accum, params = accumulation_steps(cfg, world), param_count(cfg.model)
     precision, batch = precision_of("ours", cfg), cfg.train.micro_batch_size
-    rows, where = figs.rows("fwdbwd", lambda r: r["precision"] == precision)
+    rows, where = figs.rows("fwdbwd", same_precision(cfg))
     rate = None
     if rows:  # FLOP/s at the measured batch nearest this micro-batch, so that it carries over to another depth
-        nearest = min({r["batch"] for r in rows}, key=lambda b: (abs(math.log(b / batch)), -b))
+        nearest = nearest_batch(rows, batch)
         at = [r for r in rows if r["batch"] == nearest]
         flops = [r.get("flops_per_sample") or flops_per_sample(row_config(cfg, r).model, TOKENS, TOKENS) for r in at]
         rate = statistics.fmean(r["samples_s_per_gpu"] * f for r, f in zip(at, flops))
@@ -311,7 +341,8 @@ def project(cfg: Config, figs: Figures, rcp: dict | None) -> dict:
     out = {
         "nodes": nodes,
         "gpus": world,
-        "layout": f"{cfg.parallel.strategy} {precision_of('ours', cfg)}",
+        "layout": f"{cfg.parallel.strategy} {precision_of('ours', cfg)}"
+        + (" (torchao)" if cfg.perf.fp8 != "none" and cfg.perf.fp8_impl == "torchao" else ""),
         "micro_batch": mb,
         "accumulation": accum,
         "params": param_count(cfg.model),
@@ -392,8 +423,8 @@ def checkpoint_plan(cfg: Config, figs: Figures, notes: Notes, step: float | None
 def time_to_train(cfg: Config, figs: Figures, notes: Notes, rcp: dict, step: float, ckpt: dict) -> dict:
     """Minutes from run_start to the converging eval at the RCP's mean and range of samples to converge."""
     world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
-    precision = precision_of("ours", cfg)
-    rows, where = figs.rows("step", lambda r: r["precision"] == precision and "eval_samples_s_per_gpu" in r)
+    precision, same_rows = precision_of("ours", cfg), same_precision(cfg)
+    rows, where = figs.rows("step", lambda r: same_rows(r) and "eval_samples_s_per_gpu" in r)
     same = [r for r in rows if r["strategy"] == cfg.parallel.strategy] or rows
     # an eval is one forward per sample: a row of another depth carries over at its FLOP rate
     flops = flops_per_sample(cfg.model, TOKENS, TOKENS)
