@@ -223,20 +223,20 @@ def fp8_weight_bytes(cfg: Config) -> int:
 def activation_figure(cfg: Config, figs: Figures) -> tuple[float, str] | None:
     """GiB per sample and block: one-GPU forward+backward rows' peak less their bf16 weights (and FP8 weights)."""
     precision, same = precision_of("ours", cfg), same_precision(cfg)
-    rows, where = figs.rows("fwdbwd", lambda r: same(r) and "peak_gib" in r, any_kind=True)
+
+    def activation_bound(r: dict) -> bool:
+        # not a peak of the weights and their whole gradient at the end of the backward (every batch-4 row on
+        # H100 and H200, bf16 and FP8 alike), which says nothing of the activations
+        return r["peak_gib"] > 1.02 * 4 * param_count(row_config(cfg, r).model) / GIB
+
+    rows, where = figs.rows("fwdbwd", lambda r: same(r) and "peak_gib" in r and activation_bound(r), any_kind=True)
     if not rows:
         return None
     per = []
     for r in rows:
         rcfg = row_config(cfg, r)
-        params = param_count(rcfg.model)
-        if r["peak_gib"] <= 1.02 * 4 * params / GIB:
-            # the peak is the weights and their whole gradient at the end of the backward (every batch-4 row on
-            # H100 and H200, bf16 and FP8 alike): it says nothing of the activations
-            continue
-        per.append((r["peak_gib"] - (2 * params + fp8_weight_bytes(rcfg)) / GIB) / (r["batch"] * sum(r["blocks"])))
-    if not per:
-        return None
+        fixed = 2 * param_count(rcfg.model) + fp8_weight_bytes(rcfg)
+        per.append((r["peak_gib"] - fixed / GIB) / (r["batch"] * sum(r["blocks"])))
     mean = statistics.fmean(per)
     return mean, f"{mean:.4f} GiB per sample and block, {len(per)} {precision} fwdbwd row(s) ({where})"
 
