@@ -284,11 +284,12 @@ def step_parts(cfg: Config, figs: Figures, notes: Notes) -> dict:
     replicas, shards = mesh_shape(cfg.parallel, world, cfg.slurm.gpus_per_node)
     accum, params = accumulation_steps(cfg, world), param_count(cfg.model)
     precision, batch = precision_of("ours", cfg), cfg.train.micro_batch_size
-    rows, where = figs.rows("fwdbwd", same_precision(cfg))
+    same = same_precision(cfg)
+    rows, _ = figs.rows("fwdbwd", same)
     rate = None
     if rows:  # FLOP/s at the measured batch nearest this micro-batch, so that it carries over to another depth
         nearest = nearest_batch(rows, batch)
-        at = [r for r in rows if r["batch"] == nearest]
+        at, where = figs.rows("fwdbwd", lambda r: same(r) and r["batch"] == nearest)
         flops = [r.get("flops_per_sample") or flops_per_sample(row_config(cfg, r).model, TOKENS, TOKENS) for r in at]
         rate = statistics.fmean(r["samples_s_per_gpu"] * f for r, f in zip(at, flops))
         text = (
