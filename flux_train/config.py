@@ -757,15 +757,6 @@ def keys_help() -> str:
     return "\n".join(lines)
 
 
-def _values(cfg: Config) -> dict[str, Any]:
-    """section.key -> value, for every key of every section."""
-    return {
-        f"{section.name}.{f.name}": getattr(getattr(cfg, section.name), f.name)
-        for section in dataclasses.fields(cfg)
-        for f in dataclasses.fields(getattr(cfg, section.name))
-    }
-
-
 def validate(cfg: Config, world_size: int | None = None, gpus_per_node: int | None = None) -> Config:
     """Ranges, empty strings and cross-field checks; world_size adds the batch divisibility check once known, and
     gpus_per_node (a Slurm job's) lets its message name the node counts that divide the batch."""
@@ -775,16 +766,13 @@ def validate(cfg: Config, world_size: int | None = None, gpus_per_node: int | No
         if not ok:
             raise ConfigError(msg)
 
-    values, declared = _values(cfg), keys()
-    for key in declared:
-        value = values[key.name]
-        if not isinstance(value, str):
-            continue
-        need(bool(value.strip()) or key.may_be_empty, f"{key.name}: empty; give a value, or null to leave it unset")
-        # a newline or NUL in a path splits every message naming it and fails deep in the OS calls
-        need(value.isprintable(), f"{key.name}: {value!r} holds a control character (a newline, a tab, NUL, ...)")
-    for key in declared:
-        value = values[key.name]
+    for key in keys():
+        section, name = key.name.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if isinstance(value, str):
+            need(bool(value.strip()) or key.may_be_empty, f"{key.name}: empty; give a value, or null to leave it unset")
+            # a newline or NUL in a path splits every message naming it and fails deep in the OS calls
+            need(value.isprintable(), f"{key.name}: {value!r} holds a control character (a newline, a tab, NUL, ...)")
         if key.accepts and value is not None:  # None: an optional setting left unset
             accepted, ok = key.accepts
             need(ok(value), f"{key.name}: must be {accepted}, got {value}")
@@ -802,20 +790,8 @@ def validate(cfg: Config, world_size: int | None = None, gpus_per_node: int | No
         f"model.axes_dims_rope: must sum to attention_head_dim {m.attention_head_dim}, got {m.axes_dims_rope}",
     )
     need(m.in_channels % 4 == 0, f"model.in_channels: must be 4 x latent channels (2x2 patches), got {m.in_channels}")
-    p = cfg.parallel
-    need(
-        cfg.perf.cuda_graphs is not True or p.strategy == "ddp",
-        "perf.cuda_graphs: FSDP2 gathers weights into fresh buffers every step, which a CUDA graph cannot "
-        "replay; set parallel.strategy=ddp (weights and gradient buffers stay in place)",
-    )
-    need(
-        not (cfg.perf.cuda_graphs is True and t.inject_nan_at_step),
-        "train.inject_nan_at_step: a captured step replays without the hook; set perf.cuda_graphs=false to test it",
-    )
-    need(
-        cfg.perf.cuda_graphs is not True or cfg.perf.warmup_iters >= 1,
-        "perf.cuda_graphs: graphs are captured during the warm-up before run_start; set perf.warmup_iters >= 1",
-    )
+    blocker = graph_blocker(cfg) if cfg.perf.cuda_graphs is True else None
+    need(blocker is None, blocker or "")
     need(
         cfg.data.synthetic_val_samples <= cfg.data.synthetic_train_samples,
         f"data.synthetic_val_samples {cfg.data.synthetic_val_samples} > data.synthetic_train_samples "
@@ -886,20 +862,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return validate(_build(Config, tree, ""))
 
 
+def graph_blocker(cfg: Config, device_type: str | None = None) -> str | None:
+    """Why the step cannot be captured as a CUDA graph (the fix in one line), or None; `device_type` also checks the
+    device (None: not known yet). The rule perf.cuda_graphs=true is refused by and auto is decided on."""
+    if cfg.parallel.strategy != "ddp":
+        return (
+            "perf.cuda_graphs: FSDP2 gathers weights into fresh buffers every step, which a CUDA graph cannot "
+            "replay; set parallel.strategy=ddp (weights and gradient buffers stay in place)"
+        )
+    if cfg.train.inject_nan_at_step:
+        return (
+            "train.inject_nan_at_step: a captured step replays without the hook; set perf.cuda_graphs=false to test it"
+        )
+    if cfg.perf.warmup_iters < 1:
+        return "perf.cuda_graphs: graphs are captured during the warm-up before run_start; set perf.warmup_iters >= 1"
+    if device_type is not None and device_type != "cuda":
+        return "perf.cuda_graphs needs a GPU; set perf.cuda_graphs=false on the CPU"
+    return None
+
+
 def graphs_on(cfg: Config, device_type: str) -> bool:
-    """Whether the step runs as a CUDA graph: perf.cuda_graphs=true, or auto where the step can be captured (the
-    ddp layout, whose buffers stay in place, on a GPU, with a warm-up to capture in, no NaN-injection hook) and
-    where it was measured to pay: with FP8, whose casts make the step wait on the host (6 + 12 blocks, micro-batch
-    8: the step 1.45x at one rank, 1.17x at two), not in bf16 (0.97x and 0.99x there; docs/performance.md)."""
+    """Whether the step runs as a CUDA graph: perf.cuda_graphs=true, or auto where the step can be captured
+    (graph_blocker) and where it was measured to pay: with FP8, whose casts can make the step wait on the host (6 +
+    12 blocks, micro-batch 8: the graphed step 1.45x eager at one rank and 1.17x at two where the host lagged,
+    0.98-0.99x where it kept up), not in bf16 (0.97-1.01x; docs/performance.md)."""
     if cfg.perf.cuda_graphs != "auto":
         return cfg.perf.cuda_graphs
-    return (
-        cfg.parallel.strategy == "ddp"
-        and device_type == "cuda"
-        and cfg.perf.fp8 != "none"
-        and cfg.perf.warmup_iters >= 1
-        and not cfg.train.inject_nan_at_step
-    )
+    return cfg.perf.fp8 != "none" and graph_blocker(cfg, device_type) is None
 
 
 def checkpoint_dir(cfg: Config) -> Path:

@@ -130,8 +130,7 @@ def command(cfg: Config) -> tuple[list[str], list[str]]:
     c = cfg.container
     if c.runtime == "none":
         return [], [sys.executable]
-    if c.image is None:  # validate refuses a runtime without an image before anything is built
-        raise ConfigError(f"container.runtime={c.runtime} needs container.image")
+    assert c.image is not None  # submit.resolve_config refuses a runtime without an image before this
     if c.image.startswith("-"):  # docker, podman and apptainer take the image as a word of its own
         raise ConfigError(f"container.image {c.image!r}: starts with '-', so {c.runtime} would read it as an option")
     check_variable_names(c.env, "container.env")
@@ -226,7 +225,7 @@ def node_check(cfg: Config) -> list[str] | None:
     if c.runtime in ("none", "pyxis"):
         return None
     _, argv = command(cfg)
-    assert c.image is not None  # command() refuses a runtime without an image
+    assert c.image is not None  # submit.resolve_config refuses a runtime without an image
     return [
         "bash",
         "-c",

@@ -359,9 +359,10 @@ def dataset_files(cfg: Config) -> DatasetFiles:
     return DatasetFiles(path, empty_t5, empty_clip, DimsCheck(path, info, empty_t5, empty_clip, cfg.model, empty_dir))
 
 
-def build_energon(cfg: Config, rank: int, world: int) -> DataSource:
+def build_energon(cfg: Config, rank: int, world: int, files: DatasetFiles | None = None) -> DataSource:
+    """The loaders over `files` (dataset_files(cfg) if not given: it scans every shard)."""
     d = cfg.data
-    path, empty_t5, empty_clip, dims = dataset_files(cfg)
+    path, empty_t5, empty_clip, dims = files if files is not None else dataset_files(cfg)
     if not d.path and rank == 0:
         print(
             f"flux-train: data.path is unset, training on the fixture dataset {path} (a debug set: "

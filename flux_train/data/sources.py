@@ -5,13 +5,16 @@ real dataset (flux_train/data/energon.py). Both give the batch contract of flux_
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from dataprep.format import LATENT_CHANNELS
 from flux_train.config import Config
 from flux_train.data.contract import DataSource, TrainStream
+
+if TYPE_CHECKING:  # energon is imported only for real data
+    from flux_train.data.energon import DatasetFiles
 
 
 def synthetic_samples(n: int, text_len: int, height: int, width: int, t5_dim: int, clip_dim: int, seed: int) -> dict:
@@ -115,10 +118,11 @@ def build_synthetic(cfg: Config, rank: int, world: int) -> DataSource:
     )
 
 
-def build_data(cfg: Config, rank: int, world: int) -> DataSource:
-    """rank/world are the data-parallel rank and size."""
+def build_data(cfg: Config, rank: int, world: int, files: DatasetFiles | None = None) -> DataSource:
+    """rank/world are the data-parallel rank and size; `files`: the energon dataset's, if already checked
+    (preflight.check_inputs)."""
     if cfg.data.source == "synthetic":
         return build_synthetic(cfg, rank, world)
     from flux_train.data.energon import build_energon  # energon is needed only for real data
 
-    return build_energon(cfg, rank, world)
+    return build_energon(cfg, rank, world, files)

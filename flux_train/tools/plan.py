@@ -45,6 +45,7 @@ from flux_train.config import (
     Config,
     accumulation_steps,
     eval_interval_steps,
+    graph_blocker,
     load_config,
     mesh_shape,
 )
@@ -482,7 +483,7 @@ def what_fits(cfg: Config, figs: Figures) -> str | None:
                 changes = [f"train.micro_batch_size={mb}"] if mb != cfg.train.micro_batch_size else []
                 if strategy != cfg.parallel.strategy:
                     changes.insert(0, f"parallel.strategy={strategy}")
-                    changes += ["perf.cuda_graphs=false"] if cfg.perf.cuda_graphs is True and strategy == "fsdp" else []
+                    changes += ["perf.cuda_graphs=false"] if cfg.perf.cuda_graphs is True and graph_blocker(c) else []
                 return f"{' '.join(changes)} ({found['peak_gib']:.1f} GiB)"
     return None
 

@@ -16,16 +16,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from flux_train.config import Config, ConfigError, add_overrides, checkpoint_dir, load_config
+from flux_train.config import Config, ConfigError, add_overrides, checkpoint_dir, graph_blocker, load_config
 from flux_train.errors import Parser, UserError, reports_user_errors
 from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on
 from flux_train.model.flux import build_model, count_params
 from flux_train.training.checkpoint_size import checkpoint_disk_gb
 from flux_train.training.heartbeat import node_name
+
+if TYPE_CHECKING:  # energon is imported only for real data
+    from flux_train.data.energon import DatasetFiles
 
 # a worker's own CUDA context and allocator reserve; more in use before the run allocates means another process
 IDLE_GPU_USED_GIB = 4.0
@@ -110,9 +114,9 @@ def bus_bandwidth(device: torch.device, size_mb: int, iters: int = 5) -> tuple[f
     return busbw, time.perf_counter() - t0
 
 
-def check_inputs(cfg: Config, device: torch.device, world_size: int) -> None:
+def check_inputs(cfg: Config, device: torch.device, world_size: int) -> DatasetFiles | None:
     """Inputs that would otherwise fail after init_start, or after minutes of building: one line each (on every
-    run, pre-flight or not)."""
+    run, pre-flight or not). Returns the dataset's files it checked (energon), for the loaders to build on."""
     if cfg.data.source == "energon" and cfg.data.path and not Path(cfg.data.path).is_dir():
         what = "is a file, not a folder" if Path(cfg.data.path).exists() else "does not exist here"
         raise ConfigError(
@@ -125,17 +129,19 @@ def check_inputs(cfg: Config, device: torch.device, world_size: int) -> None:
                 f"perf.attention={cfg.perf.attention} needs train.compute_dtype=bfloat16 (it has no fp32 "
                 "kernel); set perf.attention=auto for fp32 runs"
             )
-    if cfg.perf.cuda_graphs is True and device.type != "cuda":
-        raise ConfigError("perf.cuda_graphs needs a GPU; set perf.cuda_graphs=false on the CPU")
+    blocker = graph_blocker(cfg, device.type) if cfg.perf.cuda_graphs is True else None
+    if blocker:
+        raise ConfigError(blocker)
     if cfg.perf.rmsnorm == "triton" and not kernels_run_on(device):
         raise ConfigError(
             f"perf.rmsnorm=triton needs a GPU and Triton, this run has {device.type}"
             f"{'' if HAVE_TRITON else ' and no Triton'}; set perf.rmsnorm=auto or torch"
         )
+    files = None
     if cfg.data.source == "energon":
         from flux_train.data.energon import dataset_files  # energon is needed only for real data
 
-        dataset_files(cfg)  # its description of itself against the model, before anything is built
+        files = dataset_files(cfg)  # its description of itself against the model, before anything is built
     if device.type == "cpu":
         need = count_params(build_model(cfg.model)) * 16 * world_size  # weights, grads, AdamW, fp32
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -144,6 +150,7 @@ def check_inputs(cfg: Config, device: torch.device, world_size: int) -> None:
                 f"model {cfg.model.flavor} needs ~{need / 2**30:.0f} GiB on the CPU, this host has "
                 f"{have / 2**30:.0f} GiB; use GPUs (train.device=cuda) or configs/debug.yaml"
             )
+    return files
 
 
 def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) -> float:

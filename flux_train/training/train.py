@@ -100,7 +100,7 @@ class Trainer:
         # rank the checkpoint to resume from
         self.folder = run_folder.claim(cfg, self.dist.rank, self.dist.world_size)
         self.resume_from = self.folder.resume_from
-        preflight.check_inputs(cfg, self.dist.device, self.dist.world_size)
+        dataset = preflight.check_inputs(cfg, self.dist.device, self.dist.world_size)
         # from here on every rank says where it is (a bad input above has ended the run without a thread)
         self.heartbeat = Heartbeat(self.out_dir / "heartbeats", self.dist.rank)
         if self.dist.is_main:
@@ -133,7 +133,7 @@ class Trainer:
         self.layout.assign_weights(initial)
         self.fp8 = FP8Scaling.of(self.model, self.device, cfg.perf.fp8_margin)  # perf.fp8=delayed: its scales
         self.graphed = GraphedStep(self._device_step) if graphs_on(cfg, self.device.type) else None
-        self.data = build_data(cfg, self.dist.rank, self.dist.world_size)
+        self.data = build_data(cfg, self.dist.rank, self.dist.world_size, dataset)
         self.empty = (self.data.empty_t5.to(self.device), self.data.empty_clip.to(self.device))
         draws = bool(cfg.eval.sample_prompts)
         self.pictures = Pictures(
