@@ -300,19 +300,21 @@ def test_out_of_memory_ends_in_one_line_naming_the_fix(monkeypatch, capsys, tmp_
 def test_the_eta_counts_down_to_the_next_eval_and_where_the_reference_converged():
     """The bar's times: to the next eval, and to the eval where the MLPerf reference runs converged at this GBS (their
     mean, then their latest), then to the step cap; the debug flavor has no reference, only the cap. Evals count in."""
-    assert eta_goals(load_config("configs/debug.yaml")) == [(600, "step cap")]
-    assert eta_goals(load_config("configs/systems/H200_01x08.yaml")) == [  # GBS 512: an eval every 512 steps
+    assert eta_goals(load_config("configs/debug.yaml"), 25) == [(600, "step cap")]
+    assert eta_goals(load_config("configs/systems/H200_01x08.yaml"), 512) == [  # GBS 512: an eval every 512 steps
         (14336, "RCP mean (7.24 M samples)"),
         (14848, "RCP max (7.60 M samples)"),
         (30000, "step cap"),
     ]
+    # evals off (eval.enabled=false): no eval can end the run where the reference converged, only the cap
+    assert eta_goals(load_config("configs/systems/H200_01x08.yaml"), 0) == [(30000, "step cap")]
     eta = Eta(25, [(600, "step cap")])
     assert eta.text(150) == ""  # nothing measured yet
     eta.step_s = 0.2
     assert eta.text(150) == "next eval in 00:05, step cap in >01:30"  # evals to come, not measured yet
     eta.eval_s = 1.0
     assert eta.text(160) == "next eval in 00:03, step cap in 01:46"  # 440 steps and 18 evals
-    eta = Eta(512, eta_goals(load_config("configs/systems/H200_01x08.yaml")))
+    eta = Eta(512, eta_goals(load_config("configs/systems/H200_01x08.yaml"), 512))
     eta.step_s, eta.eval_s = 2.5, 60.0
     assert eta.text(14336) == "next eval in 21:20, RCP max (7.60 M samples) in 22:20"  # past the mean: the max
     assert eta.text(14848).endswith("step cap in 11:00:20")  # past the max: the cap

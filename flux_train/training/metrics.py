@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flux_train.config import Config, eval_interval_steps
+from flux_train.config import Config
 from flux_train.errors import StorageError
 from flux_train.outputs.report import METRICS_FILE
 from flux_train.outputs.results import rcp_samples
@@ -30,11 +30,12 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def eta_goals(cfg: Config) -> list[tuple[int, str]]:
+def eta_goals(cfg: Config, every: int) -> list[tuple[int, str]]:
     """The steps the progress bar gives the time to, in order: for flux-schnell at a global batch size the MLPerf
-    reference ran, the eval at which its runs converged on average and at the latest (the RCPs); the step cap."""
-    gbs, every, cap = cfg.train.global_batch_size, eval_interval_steps(cfg), cfg.train.max_steps
-    samples = rcp_samples(gbs) if cfg.model.flavor == "flux-schnell" else []
+    reference ran, the eval (one every `every` steps; 0: none, so no convergence point) at which its runs converged
+    on average and at the latest (the RCPs); the step cap."""
+    gbs, cap = cfg.train.global_batch_size, cfg.train.max_steps
+    samples = rcp_samples(gbs) if cfg.model.flavor == "flux-schnell" and every else []
     found = [("RCP mean", statistics.fmean(samples)), ("RCP max", max(samples))] if samples else []
     points = [(math.ceil(n / gbs / every) * every, f"{name} ({n / 1e6:.2f} M samples)") for name, n in found]
     return [(step, label) for step, label in points if step < cap] + [(cap, "step cap")]
@@ -44,10 +45,10 @@ class Eta:
     """Time to the next eval and to the next goal, from the last window's seconds per step and the last eval's
     seconds (tqdm's own estimate runs to the step cap and leaves the evals out)."""
 
-    def __init__(self, eval_every: int | None, goals: list[tuple[int, str]]):
+    def __init__(self, eval_every: int, goals: list[tuple[int, str]]):
         self.eval_every, self.goals = eval_every, goals
         self.step_s: float | None = None  # measured at the first metrics line
-        self.eval_s: float | None = None  # measured at the first eval
+        self.eval_s: float | None = None  # measured at the first eval (the trainer times it)
 
     def text(self, step: int) -> str:
         if self.step_s is None:
@@ -69,6 +70,7 @@ class Metrics:
         out_dir: Path,
         device: torch.device,
         world_size: int,
+        global_batch_size: int,
         eta: Eta,
         enabled: bool,
         progress_bar: bool,
@@ -76,12 +78,12 @@ class Metrics:
         append: bool = False,
         start_step: int = 0,
     ):
-        self.device, self.world = device, world_size
+        self.device, self.world, self.global_batch_size = device, world_size, global_batch_size
         self.enabled = enabled
         self.peak = peak_tflops(device)
         self.eta = eta
-        self._t0 = self._logged_at = time.perf_counter()
-        self._samples = self._steps = 0
+        self._t0 = time.perf_counter()
+        self._steps = 0
         self._data_wait = 0.0
         # a resumed run continues the file (cut back to its checkpoint by run_folder.claim); a fresh one replaces it
         self.path = out_dir / METRICS_FILE
@@ -110,8 +112,7 @@ class Metrics:
             )
             self.postfix: dict[str, str] = {}
 
-    def add_step(self, samples: int, data_wait_s: float) -> None:
-        self._samples += samples
+    def add_step(self, data_wait_s: float) -> None:
         self._steps += 1
         self._data_wait += data_wait_s
         if self.bar is not None:
@@ -125,14 +126,13 @@ class Metrics:
         self.bar.set_postfix_str(", ".join(p for p in [*shown, self.eta.text(self.bar.n)] if p), refresh=False)
 
     def reset_window(self) -> None:
-        self._t0, self._samples, self._steps, self._data_wait = time.perf_counter(), 0, 0, 0.0
+        self._t0, self._steps, self._data_wait = time.perf_counter(), 0, 0.0
 
     def log(self, step: int, flops_per_sample: float, **scalars: float) -> dict:
         """Close the timing window, print the metrics line; scalars are already-synced floats."""
-        self._logged_at = time.perf_counter()
-        elapsed = max(self._logged_at - self._t0, 1e-9)
+        elapsed = max(time.perf_counter() - self._t0, 1e-9)
         self.eta.step_s = elapsed / max(self._steps, 1)
-        sps = self._samples / elapsed
+        sps = self._steps * self.global_batch_size / elapsed
         tflops = sps * flops_per_sample / 1e12 / self.world
         row = {
             "step": step,
@@ -154,8 +154,6 @@ class Metrics:
         if not self.enabled:
             return
         text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-        if "val_loss" in row:  # an eval's row follows the metrics line of its step: the eval ran in between
-            self.eta.eval_s = time.perf_counter() - self._logged_at
         if self.bar is not None:
             self.bar.write(text)
             # the last training loss and, once there is one, the last val loss: an eval's row (no training loss)

@@ -304,7 +304,8 @@ class Trainer:
             self.out_dir,
             self.device,
             self.dist.world_size,
-            Eta(self.evaluator.every or None, eta_goals(cfg)),
+            cfg.train.global_batch_size,
+            Eta(self.evaluator.every, eta_goals(cfg, self.evaluator.every)),
             self.dist.is_main,
             cfg.logging.progress_bar,
             cfg.logging.tensorboard,
@@ -350,9 +351,12 @@ class Trainer:
                 end = self._block(metrics, window)
             if end.kind == "diverged":
                 return self._diverged(end.first_bad)
-            # before a stop: a checkpoint of this step stands for its eval having run
-            if end.kind == "eval" and self.evaluator.run(self.state, metrics.emit):
-                return Status.SUCCESS
+            if end.kind == "eval":  # before a stop: a checkpoint of this step stands for its eval having run
+                t0 = time.perf_counter()
+                reached = self.evaluator.run(self.state, metrics.emit)
+                metrics.eta.eval_s = time.perf_counter() - t0  # with what follows it (report, sample grid)
+                if reached:
+                    return Status.SUCCESS
             if end.stop:
                 self.save_checkpoint()
                 return Status.PREEMPTED
@@ -369,7 +373,7 @@ class Trainer:
             loss, grad_norm, wait = self.train_step()
             step = self.state.step
             window.add(step, loss, grad_norm)
-            metrics.add_step(t.global_batch_size, wait)
+            metrics.add_step(wait)
             eval_due, checkpoint_due = self.evaluator.due(step), self.checkpointer.due(step)
             if step % cfg.logging.log_every and not eval_due and not checkpoint_due:
                 continue
