@@ -20,15 +20,18 @@ def _shape(text: str) -> Shape:
 
 
 class Parser(argparse.ArgumentParser):
-    """A bad flag is one line naming it, exit 2, as in flux_train's commands (flux_train.errors.Parser: dataprep
-    cannot import it, flux_train imports dataprep.format). Subcommands' parsers are of this class too."""
+    """The argument parser of every command, dataprep's and flux_train's (flux_train.errors re-exports it): a bad
+    flag is one line naming it (argparse's own error prints the usage block first), exit 2. Subcommands' parsers
+    are of this class too (argparse's default)."""
 
     def error(self, message: str):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def add_encoder_arguments(p: argparse.ArgumentParser) -> None:
-    """--t5/--clip and their tokenizers, --device, --dtype."""
+def add_encoder_arguments(p: argparse.ArgumentParser, vae: bool = False) -> None:
+    """--t5/--clip and their tokenizers, --device, --dtype; with `vae`, --vae first."""
+    if vae:
+        p.add_argument("--vae", type=Path, required=True, help="local folder of the Flux VAE (FLUX.1-schnell: vae/)")
     p.add_argument(
         "--t5",
         type=Path,
@@ -104,8 +107,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--images", type=Path, help="image folder (with --captions)")
     e.add_argument("--captions", type=Path, help="TSV with a header: file_name, caption (optional id/image_id)")
     e.add_argument("--out", type=Path, required=True, help="dataset root")
-    e.add_argument("--vae", type=Path, required=True, help="local folder of the Flux VAE (FLUX.1-schnell: vae/)")
-    add_encoder_arguments(e)
+    add_encoder_arguments(e, vae=True)
     e.add_argument("--batch-size", type=int, default=32, help="images and captions per encoder call (default 32)")
     e.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="image decoding threads")
     e.add_argument("--resize", choices=("crop", "squash"), help="default: crop for train, squash for val")

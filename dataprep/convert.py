@@ -25,7 +25,7 @@ from dataprep import progress
 from dataprep.extras import require
 from dataprep.format import DataprepError, Shape, check_sample, tar_sample
 from dataprep.lifetime import die_with_parent
-from dataprep.shards import PARTIAL, ShardPlan, ShardRecord, SplitWriter, plan_shards, val_first_key
+from dataprep.shards import ShardPlan, ShardRecord, SplitWriter, plan_shards, val_first_key
 
 COLUMNS = {"t5_encodings": "t5", "clip_encodings": "clip", "mean": "mean", "logvar": "logvar"}
 CHUNK_ROWS = 32  # rows read from Arrow at once: bounds a worker's memory to ~70 MB at full size
@@ -159,7 +159,7 @@ def _worker_died(jobs: list[ShardJob]) -> WorkerDied:
     writing = [
         f"{job.split}/{job.plan.name}"
         for job in jobs
-        if (Path(job.root) / job.split / (job.plan.name + PARTIAL)).exists()
+        if SplitWriter(Path(job.root), job.split).partial(job.plan).exists()
     ]
     where = ("one of " if len(writing) > 1 else "") + ", ".join(writing) if writing else "a shard"
     return WorkerDied(

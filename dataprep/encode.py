@@ -22,11 +22,11 @@ import torch
 
 from dataprep import images, progress
 from dataprep.encoders import T5_TOKENS, ImageEncoder, TextEncoders
-from dataprep.format import EVAL_TIMESTEP_BINS, DataprepError, Shape, check_sample, encode_bf16, tar_sample
+from dataprep.format import EVAL_TIMESTEP_BINS, IMAGE_SIZE, DataprepError, Shape, check_sample, encode_bf16, tar_sample
 from dataprep.shards import SplitWriter, plan_shards, val_first_key
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-OUTPUT_SHAPE = Shape(T5_TOKENS, images.SIZE // 8, images.SIZE // 8)  # the Flux VAE downsamples 8x
+OUTPUT_SHAPE = Shape(T5_TOKENS, IMAGE_SIZE // 8, IMAGE_SIZE // 8)  # the Flux VAE downsamples 8x
 
 
 @dataclass

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the functions that make tensors import torch: the command l
 
 PARTS = ("t5", "clip", "mean", "logvar")
 T5_DIM, CLIP_DIM, LATENT_CHANNELS = 4096, 768, 16
+IMAGE_SIZE = 256  # the task's images: 256x256 (32x32 latents)
 EVAL_TIMESTEP_BINS = 8  # a val sample's timestep k is in 0..7; the eval noises it at t = k/8
 EMPTY_T5, EMPTY_CLIP = "t5_empty.npy", "clip_empty.npy"
 METADATA = Path(".nv-meta") / "flux_dataset.yaml"  # relative to the dataset root

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-SIZE = 256
+from dataprep.format import IMAGE_SIZE
 
 
 def decode(data: bytes) -> Image.Image:
@@ -22,7 +22,7 @@ def decode(data: bytes) -> Image.Image:
     return image.convert("RGB")
 
 
-def resize_crop(image: Image.Image, size: int = SIZE) -> Image.Image:
+def resize_crop(image: Image.Image, size: int = IMAGE_SIZE) -> Image.Image:
     """CC12M: shorter side to `size` (bicubic, longer side rounded up), then the centred size x size crop."""
     width, height = image.size
     scale = size / min(width, height)
@@ -32,7 +32,7 @@ def resize_crop(image: Image.Image, size: int = SIZE) -> Image.Image:
     return image.crop((left, top, left + size, top + size))
 
 
-def resize_squash(image: Image.Image, size: int = SIZE) -> Image.Image:
+def resize_squash(image: Image.Image, size: int = IMAGE_SIZE) -> Image.Image:
     """COCO: straight to size x size (bicubic), aspect ratio not kept."""
     return image.resize((size, size), Image.Resampling.BICUBIC)
 

@@ -107,11 +107,14 @@ class SplitWriter:
         done = ShardRecord(**json.loads(record.read_text()))
         return done if done.samples == 0 or (self.dir / plan.name).is_file() else None
 
+    def partial(self, plan: ShardPlan) -> Path:
+        """Where shard `plan` is written until it is complete."""
+        return self.dir / (plan.name + PARTIAL)
+
     def write(self, plan: ShardPlan, samples: Iterable[dict], skipped: list) -> ShardRecord:
         """Write the samples as shard `plan.index`; `skipped` is filled by the samples' producer."""
         t0 = time.perf_counter()
-        final = self.dir / plan.name
-        tmp = final.with_name(final.name + PARTIAL)
+        final, tmp = self.dir / plan.name, self.partial(plan)
         count = size = 0
         try:
             with open(tmp, "wb", buffering=1 << 22) as f:  # tar writes 10 KiB records: batch them

@@ -10,7 +10,8 @@ import typing
 from pathlib import Path
 
 from dataprep.cli import add_encoder_arguments
-from flux_train.config import CONFIG_DIR, IMAGE_SIZE, ContainerConfig, add_overrides
+from dataprep.format import IMAGE_SIZE
+from flux_train.config import CONFIG_DIR, ContainerConfig, add_overrides
 from flux_train.errors import Parser, positive_int, positive_number
 
 # the rows each bench mode can measure (flux_train/tools/bench.py runs them)
@@ -288,8 +289,7 @@ def sample_parser() -> Parser:
         metavar="FOLDER",
         help="also save the transformer there as a diffusers folder (as `checkpoint export` writes it)",
     )
-    p.add_argument("--vae", type=Path, required=True, help="local folder of the Flux VAE (FLUX.1-schnell: vae/)")
-    add_encoder_arguments(p)
+    add_encoder_arguments(p, vae=True)
     p.add_argument("--prompts", type=Path, required=True, help="text file, one prompt per line")
     p.add_argument("--out", type=Path, required=True, help="the PNG grid to write, one image per prompt")
     p.add_argument(

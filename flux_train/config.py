@@ -33,7 +33,6 @@ EVAL_EVERY_SAMPLES = 262_144
 TARGET_VAL_LOSS = 0.586
 TRAIN_SAMPLES = 1_099_776
 EVAL_SAMPLES = 29_696
-IMAGE_SIZE = 256  # the task's images: 256x256 (32x32 latents)
 
 
 class ConfigError(UserError, ValueError):

@@ -14,6 +14,17 @@ from mlperf_logging.mllog.mllog import MLLogger as _MLPerfLogger
 
 from flux_train.config import EVAL_SAMPLES, TRAIN_SAMPLES, Config, accumulation_steps
 from flux_train.errors import StorageError
+from flux_train.private_apis import rcp_records
+
+# the MLPerf rules our logs follow: the checkers' usage, ruleset and benchmark names
+USAGE, RULESET, BENCHMARK = "training", "6.0.0", "flux1"
+
+
+def rcp_samples(gbs: int) -> list[int]:
+    """Samples to converge of each MLPerf reference run at this global batch size ([]: the RCPs have none)."""
+    records = rcp_records(USAGE, RULESET, BENCHMARK).values()
+    return next((r["samples to converge"] for r in records if r["BS"] == gbs), [])
+
 
 EVALUATION_FREQUENCY = "evaluation_frequency"  # no constant in mlperf_logging; the reference logs the literal
 TOKEN = ":::MLLOG"

@@ -27,11 +27,10 @@ from mlperf_logging.benchmark_meta import get_result_file_counts
 from flux_train.cli import results_parser
 from flux_train.config import TARGET_VAL_LOSS
 from flux_train.errors import UserError, reports_user_errors
-from flux_train.outputs.mllog import read_records
+from flux_train.outputs.mllog import BENCHMARK, RULESET, USAGE, read_records
 from flux_train.outputs.report import draw_val_loss
-from flux_train.private_apis import compliance_check, rcp_batch_sizes, rcp_check, rcp_records
+from flux_train.private_apis import compliance_check, rcp_batch_sizes, rcp_check
 
-USAGE, RULESET, BENCHMARK = "training", "6.0.0", "flux1"
 RUNS_PER_SCORE = get_result_file_counts(USAGE)[BENCHMARK]  # 10
 NOT_CONVERGED = 1e9  # samples the RCP checker counts for a run that did not succeed
 MLLOG_FILE = "mllog.log"
@@ -269,12 +268,6 @@ def samples_to_converge(runs: list[Run]) -> Samples:
         statistics.fmean(olympic) if olympic else None,
         sum(s == NOT_CONVERGED for s in samples),
     )
-
-
-def rcp_samples(gbs: int) -> list[int]:
-    """Samples to converge of each MLPerf reference run at this global batch size ([]: the RCPs have none)."""
-    records = rcp_records(USAGE, RULESET, BENCHMARK).values()
-    return next((r["samples to converge"] for r in records if r["BS"] == gbs), [])
 
 
 def check_rcp(runs: list[Run]) -> Rcp:

@@ -64,8 +64,7 @@ def fp8_impl_of(row: dict) -> Literal["ours", "torchao"] | None:
     written before the bench recorded it: torchao when named for it)."""
     if row.get("precision", "bf16") == "bf16":
         return None
-    impl = row.get("fp8_impl") or ("torchao" if row["row"].startswith("torchao") else "ours")
-    return "torchao" if impl == "torchao" else "ours"
+    return "torchao" if row.get("fp8_impl") == "torchao" or row["row"].startswith("torchao") else "ours"
 
 
 def precision_of(row: str, cfg: Config) -> str:

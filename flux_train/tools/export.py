@@ -28,12 +28,17 @@ from flux_train.training.checkpoint import (
 )
 
 
-def find_checkpoint(path: Path) -> Path | None:
-    """`path` if it is a complete checkpoint, else the latest complete one in it; None if there is none."""
+def find_checkpoint(path: Path) -> Path:
+    """`path` if it is a complete checkpoint, else the latest complete one in it (--checkpoint's meaning)."""
     if (path / PROGRESS).is_file():
         return path
     found = list_checkpoints(path)
-    return found[-1] if found else None
+    if not found:
+        raise UserError(
+            f"--checkpoint {path}: no complete checkpoint there (a step_XXXXXXXX folder with progress.pt, or the "
+            "folder holding them)"
+        )
+    return found[-1]
 
 
 def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -84,11 +89,6 @@ def main(argv=None) -> int:
     args = checkpoint_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     path = find_checkpoint(Path(args.checkpoint))
-    if path is None:
-        raise ConfigError(
-            f"--checkpoint {args.checkpoint}: no complete checkpoint there (a step_XXXXXXXX folder "
-            "with progress.pt, or the folder holding them)"
-        )
     export_checkpoint(cfg, path, Path(args.out))
     print(f"exported {path} -> {args.out} (load with FluxTransformer2DModel.from_pretrained)")
     return 0

@@ -51,7 +51,7 @@ from flux_train.config import (
 )
 from flux_train.errors import UserError, reports_user_errors
 from flux_train.model.flux import flops_per_sample, param_count, token_linear_param_count
-from flux_train.outputs.results import BENCHMARK, RULESET, USAGE, rcp_samples
+from flux_train.outputs.mllog import BENCHMARK, RULESET, USAGE, rcp_samples
 from flux_train.private_apis import rcp_batch_sizes
 from flux_train.tools.bench_table import fp8_impl_of, precision_of, read_rows
 from flux_train.training.checkpoint_size import checkpoint_bytes, checkpoint_disk_gb

@@ -27,9 +27,9 @@ from PIL import Image
 
 from dataprep.encoders import ImageEncoder, TextEncoders, device_and_dtype
 from dataprep.extras import require
-from dataprep.format import DataprepError
+from dataprep.format import IMAGE_SIZE, DataprepError
 from flux_train.cli import sample_parser
-from flux_train.config import IMAGE_SIZE, Config, ModelConfig, TrainConfig, load_config
+from flux_train.config import Config, ModelConfig, TrainConfig, load_config
 from flux_train.errors import UserError, reports_user_errors
 from flux_train.model.diffusers_adapter import diffusers_config, quiet_diffusers, save_diffusers, to_diffusers
 
@@ -183,18 +183,13 @@ def main(argv=None) -> int:
     from flux_train.tools.export import find_checkpoint, read_weights
 
     args = sample_parser().parse_args(argv)
-    try:  # before the checkpoint is read: the encoders come last
+    try:  # first: without it nothing else is worth checking (the encoders themselves load last)
         require("transformers", "python -m flux_train.sample (its T5 and CLIP text encoders)")
     except DataprepError as exc:
         raise UserError(str(exc)) from None
     if args.size <= 0 or args.size % 16:
         raise UserError(f"--size {args.size}: must be a positive multiple of 16 (VAE 8x, then 2x2 patches)")
     checkpoint = find_checkpoint(args.checkpoint)
-    if checkpoint is None:
-        raise UserError(
-            f"--checkpoint {args.checkpoint}: no complete checkpoint there (a step_XXXXXXXX folder with "
-            "progress.pt, or the folder holding them)"
-        )
     cfg = load_config(args.config or run_config_file(checkpoint))
     prompts = read_prompts(args.prompts)
     weights = Weights(args.vae, args.t5, args.t5_tokenizer or args.t5, args.clip, args.clip_tokenizer or args.clip)

@@ -15,8 +15,8 @@ from tqdm import tqdm
 
 from flux_train.config import Config
 from flux_train.errors import StorageError
+from flux_train.outputs.mllog import rcp_samples
 from flux_train.outputs.report import METRICS_FILE
-from flux_train.outputs.results import rcp_samples
 from flux_train.training.distributed import all_reduce_sum
 
 # dense bf16 peak per GPU, for MFU; the bench measures the achievable ceiling itself

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import typing
+
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from flux_train.config import TrainConfig
 
@@ -37,10 +40,8 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the global norm over all (possibly sharded) grads; returns the pre-clip norm."""
-    from torch.distributed.tensor import DTensor
-
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+    norm = torch.nn.utils.get_total_norm([typing.cast(torch.Tensor, p.grad) for p in params], foreach=True)
     if isinstance(norm, DTensor):  # the norm of sharded grads: reduce to the global value
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)

@@ -71,8 +71,8 @@ def _claim(cfg: Config, world_size: int) -> Claim:
             "checkpoint.resume=none to start over in this one"
         )
     checkpoint.remove_leftovers(ckpt)
-    if step is not None and resume_samples is not None:  # resuming
-        cut_back(log, _samples_of, resume_samples)
+    if step is not None:  # resuming
+        cut_back(log, _samples_of, step * gbs)
         cut_back(out / METRICS_FILE, _step_of, step)
     return Claim(resume_from, locks)
 
