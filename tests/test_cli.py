@@ -447,7 +447,11 @@ def test_a_missing_extra_is_one_line_naming_it_and_exit_2(package, command, argv
     done = python_m(command, [a.format(tmp=tmp_path) for a in argv], before=f"sys.modules[{package!r}] = None")
     err = done.stderr.strip()
     assert done.returncode == 2 and err.splitlines() == [err], err
-    assert f"the Python package {package} is not installed; install it with the dataprep extra: pip install -e " in err
+    extra_name = EXTRA[package]
+    assert (
+        f"the Python package {package} is not installed; install it with the {extra_name} extra: pip install -e "
+        f"'.[{extra_name}]'" in err
+    ), err
     # the extra named is one that installs it (pyproject.toml's line `<extra> = [...]`; tomllib is not in Python 3.10)
     extra = next(
         line for line in (ROOT / "pyproject.toml").read_text().splitlines() if line.startswith(f"{EXTRA[package]} = [")

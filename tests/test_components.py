@@ -81,15 +81,22 @@ def test_a_pass_is_seeded_by_the_eval_index_and_counts_every_val_sample_once(eva
     assert evaluator.loss(0) == (first, count)  # the same noise again
     assert evaluator.loss(1)[0] != first  # the next eval draws fresh noise
     assert parts["model"].training  # the pass leaves the model as it found it
+    parts["model"].eval()
+    evaluator.loss(0)
+    assert not parts["model"].training
 
 
 def test_an_eval_logs_its_events_and_row_then_calls_after_eval_unless_it_reached_the_target(eval_parts, tmp_path):
     cfg, parts = eval_parts
     called, rows = [], []
+
+    def after(step):  # what was logged when it was called (the pictures read the rows written before them)
+        called.append((step, len(rows), [r["key"] for r in read_records(tmp_path / "mllog.log")]))
+
     state = replace(TrainState.of_run(cfg, 1), step=25)
-    missed = Evaluator(**parts | {"target": 0.0, "after_eval": called.append})
+    missed = Evaluator(**parts | {"target": 0.0, "after_eval": after})
     assert missed.run(state, rows.append) is False
-    assert called == [25] and state.eval_count == 1
+    assert called == [(25, 1, ["eval_start", "eval_accuracy", "eval_stop"])] and state.eval_count == 1
     samples = 25 * cfg.train.global_batch_size
     (row,) = rows
     assert row["step"] == 25 and row["samples"] == samples and row["val_loss"] > 0
@@ -101,9 +108,9 @@ def test_an_eval_logs_its_events_and_row_then_calls_after_eval_unless_it_reached
 
     # one that reached it ends the run: the trainer calls after_eval after run_stop, not the Evaluator
     state.step = 50
-    reached = Evaluator(**parts | {"target": float("inf"), "after_eval": called.append})
+    reached = Evaluator(**parts | {"target": float("inf"), "after_eval": after})
     assert reached.run(state, rows.append) is True
-    assert called == [25] and rows[-1]["step"] == 50 and state.eval_count == 2
+    assert len(called) == 1 and rows[-1]["step"] == 50 and state.eval_count == 2
 
 
 def test_an_eval_that_does_not_count_the_whole_val_set_is_refused_before_its_result(eval_parts, tmp_path):

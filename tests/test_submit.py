@@ -534,6 +534,9 @@ def test_a_refused_job_is_one_line_and_leaves_none_of_its_files(capsys, tmp_path
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "sbatch refused the job (Invalid account or account/partition" in err, err
     assert (tmp_path / "sbatch.json").exists() and not [p for p in (tmp_path / "sub").rglob("*") if p.is_file()]
+    # what sbatch was given had been staged there (the check above is not empty for want of anything staged)
+    script = Path(json.loads((tmp_path / "sbatch.json").read_text())[-1])
+    assert script.parent == tmp_path / "sub" and not script.exists(), script
 
 
 def test_secrets_are_masked_in_the_dry_run_and_reach_the_job(capsys, tmp_path, monkeypatch):
