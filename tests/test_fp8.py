@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from flux_train.config import ModelConfig
+from flux_train.config import ModelConfig, ParallelConfig
 from flux_train.kernels.fp8 import FP8Linear, FP8Scaling, convert_to_fp8, e4m3_dtype, quantize
 from flux_train.kernels.fp8_cast import cast_transpose_torch
 
@@ -271,3 +271,90 @@ def test_shapes_not_divisible_by_16_fall_back_to_bf16():
     convert_to_fp8(lin, "delayed", E4M3, lambda fqn, m: True)
     FP8Scaling.of(lin, torch.device("cpu"))
     assert torch.equal(lin(torch.ones(3, 10, dtype=torch.bfloat16)), ref)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_ddp_writes_fp8_weight_gradients_into_its_buckets_as_autograd_computes_them(compiled):
+    """The ddp layout's first micro-batch takes each FP8 weight gradient where its GEMM wrote it, in the bucket:
+    no copy lands on an FP8 weight's slice, the parameter's gradient is a view of it. The second micro-batch adds
+    to it, so the buckets hold what plain autograd sums over both micro-batches (eager: bit for bit; compiled
+    regions: within a bf16 rounding)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flux_train.config import TrainConfig
+    from flux_train.model import flow
+    from flux_train.model.flux import build_model, materialize
+    from flux_train.training.ddp import DDP
+    from flux_train.training.distributed import build_mesh
+    from flux_train.training.perf import apply_fp8, compile_blocks
+
+    device = torch.device(DEVICE)
+    model = materialize(build_model(TINY), device, seed=0).bfloat16()
+    with torch.no_grad():  # the reference init zeroes the last layers, and with them every block's gradient
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    apply_fp8(model, "delayed", "ours", device)
+    FP8Scaling.of(model, device)
+    reference = copy.deepcopy(model)
+    weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    compile_blocks(model, "block" if compiled else "none")
+    compile_blocks(reference, "block" if compiled else "none")
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+
+    def batch():
+        return dict(
+            img=torch.randn(2, 64, 64, device=device, generator=g).bfloat16(),
+            img_ids=flow.image_ids(16, 16, device),
+            txt=torch.randn(2, 16, 4096, device=device, generator=g).bfloat16(),
+            txt_ids=flow.text_ids(16, device),
+            timesteps=torch.rand(2, device=device, generator=g).bfloat16(),
+            y=torch.randn(2, 768, device=device, generator=g).bfloat16(),
+        )
+
+    micro_batches = [batch(), batch()]
+
+    class CopiesInto(TorchDispatchMode):  # the destinations of every copy the hooks make
+        def __init__(self):
+            super().__init__()
+            self.destinations = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:
+                self.destinations.add(args[0].data_ptr())
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = build_mesh(ParallelConfig(strategy="ddp"), 1, 1, DEVICE)
+        ddp = DDP(model, mesh, TrainConfig(), torch.bfloat16, device, torch.bfloat16)
+        ddp.assign_weights(weights.items())
+        sinks = {sink.data_ptr() for _, sink in ddp._sinks}
+        assert len(sinks) == 10  # every token Linear of the two blocks
+        for index, kw in enumerate(micro_batches):
+            ddp.start_micro_batch(index, 2)
+            loss = model(**kw).float().square().mean()
+            with CopiesInto() as copies:
+                loss.backward()
+            if index == 0:
+                assert copies.destinations and not copies.destinations & sinks
+        ddp.finish_backward()
+        for kw in micro_batches:
+            reference(**kw).float().square().mean().backward()
+    finally:
+        dist.destroy_process_group()
+    got = {name: p for b in ddp.buckets for name, p in zip(b.names, ddp_grads(b))}
+    for name, p in reference.named_parameters():
+        name = name.replace("._orig_mod", "")
+        want = p.grad
+        if compiled:
+            torch.testing.assert_close(got[name], want, rtol=0, atol=2e-2 * want.abs().max().item())
+        else:
+            assert torch.equal(got[name], want), name
+        assert want.abs().max() > 0, name
+
+
+def ddp_grads(bucket):
+    return [bucket.grads[o : o + p.numel()].view(p.shape) for o, p in zip(bucket.offsets, bucket.params)]

@@ -13,6 +13,9 @@ Recipes (`perf.fp8`):
   that keeps outlier channels from flattening everything else (torch ops).
 Weights stay bf16/fp32 masters; only GEMM inputs are cast. Accumulation is fp32 in the tensor cores
 (torch._scaled_mm) and outputs are bf16; the backward keeps the FP8 operands it needs, not the bf16 ones.
+A layer given a `wgrad_sink` (a flat tensor of the weight's size and dtype: the ddp layout's gradient bucket slice)
+has its tensorwise weight-gradient GEMM write there and hands autograd a view of it, so the gradient is not
+copied into the bucket afterwards (flux_train.training.ddp).
 On a CPU the same quantisation is emulated with a dequantised matmul, so the recipes' numerics can be checked
 anywhere. Shapes with a dimension not divisible by 16 fall back to bf16.
 
@@ -98,29 +101,51 @@ def scaled_mm(
     return (out if bias is None else out + bias.float()).to(torch.bfloat16)
 
 
+@torch.library.custom_op("flux_train::scaled_mm_into", mutates_args=("out",))
+def scaled_mm_into(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out: torch.Tensor
+) -> None:
+    """a @ b with per-tensor scales (a row-major, b column-major) written in place into the flat `out`: an op
+    that says it mutates `out`, so a compiled backward writes the GEMM's result straight there
+    (torch._scaled_mm's out= is functionalised into a product and a copy)."""
+    out2 = out.view(a.shape[0], b.shape[1])
+    if a.is_cuda:
+        torch._scaled_mm(a, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out.dtype, out=out2)
+    else:
+        out2.copy_((a.float() * a_scale) @ (b.float() * b_scale))
+
+
 class _TensorwiseLinear(torch.autograd.Function):
     """x2 @ weight^T + bias with one scale per tensor. `scales` [3] (x, w, dY; 0 = current scaling) are read,
-    `amax` [2] (x, w) and `amax_grad` [1] (dY) raised to this call's maxima."""
+    `amax` [2] (x, w) and `amax_grad` [1] (dY) raised to this call's maxima; the weight gradient is written
+    into `sink` where one is given."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, scales, amax, amax_grad, dtype):
+    def forward(ctx, x2, weight, bias, scales, amax, amax_grad, dtype, sink):
         xq, xq_t, xs, _ = cast_transpose(x2, scales[0], amax[0:1], dtype)
         wq, wq_t, ws, _ = cast_transpose(weight, scales[1], amax[1:2], dtype)
         ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         # the backward's operands in the layouts it needs, in e4m3: half the bytes of the bf16 ones
         ctx.save_for_backward(xq_t, xs, wq_t, ws, scales, amax_grad)
+        ctx.sink = sink  # not saved: every write into its bucket bumps the version counter the views share
         return scaled_mm(xq, xs, wq.t(), ws, bias, fast_accum=True)
 
     @staticmethod
     def backward(ctx, dy):  # pyright: ignore[reportIncompatibleMethodOverride] - one output, one gradient
         xq_t, xs, wq_t, ws, scales, amax_grad = ctx.saved_tensors
+        sink = ctx.sink
         with_bias = ctx.bias_dtype is not None
         # the bias gradient (dY's column sums) comes from the same read of dY as its casts
         dyq, dyq_t, dys, dbias = cast_transpose(dy.contiguous(), scales[2], amax_grad, ctx.dtype, column_sums=with_bias)
         dx = scaled_mm(dyq, dys, wq_t.t(), ws)  # dX = dY @ W, W as [N,K] column-major
-        dw = scaled_mm(dyq_t, dys, xq_t.t(), xs)  # dW = dY^T @ X, X as [M,K] column-major
-        return dx, dw.to(ctx.weight_dtype), dbias.to(ctx.bias_dtype) if with_bias else None, None, None, None, None
+        # dW = dY^T @ X, X as [M,K] column-major
+        if sink is None:
+            dw = scaled_mm(dyq_t, dys, xq_t.t(), xs).to(ctx.weight_dtype)
+        else:  # a new view (also in a compiled graph), held by autograd alone, becomes the .grad as it is
+            scaled_mm_into(dyq_t, dys, xq_t.t(), xs, sink)
+            dw = sink.view(dyq_t.shape[0], xq_t.shape[0])
+        return dx, dw, dbias.to(ctx.bias_dtype) if with_bias else None, None, None, None, None, None
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -153,6 +178,7 @@ class FP8Linear(nn.Linear):
     recipe: str = "delayed"
     fp8_dtype: torch.dtype = E4M3
     history: int = 16
+    wgrad_sink: torch.Tensor | None = None  # flat; where the tensorwise recipes write the weight gradient (ddp sets it)
     # buffers FP8Scaling.of registers
     fp8_scale: torch.Tensor
     fp8_amax: torch.Tensor
@@ -173,7 +199,8 @@ class FP8Linear(nn.Linear):
         record = self.recipe == "delayed" and torch.is_grad_enabled()
         amax = self.fp8_amax if record else torch.zeros(2, device=x.device)
         amax_grad = self.fp8_amax_grad if record else torch.zeros(1, device=x.device)
-        y = _TensorwiseLinear.apply(x2, weight, self.bias, self.fp8_scale, amax, amax_grad, self.fp8_dtype)
+        sink = self.wgrad_sink if self.weight.dtype == x.dtype else None  # the gradient is the parameter's own
+        y = _TensorwiseLinear.apply(x2, weight, self.bias, self.fp8_scale, amax, amax_grad, self.fp8_dtype, sink)
         return y.reshape(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:

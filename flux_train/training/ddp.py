@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flux_train.config import TrainConfig
 from flux_train.kernels.adamw import adamw_hyper, adamw_step
+from flux_train.kernels.fp8 import FP8Linear
 from flux_train.model.flux import block_stacks, canonical_name
 
 ALIGN = 128  # elements: every parameter and every rank's slice of a bucket starts 256-byte aligned (bf16)
@@ -109,6 +110,7 @@ class DDP:
         self.world = self.shards * mesh["dp_replicate"].size()
         rank = mesh["dp_shard"].get_local_rank()
         self.buckets: list[Bucket] = []
+        self._sinks: list[tuple[FP8Linear, torch.Tensor]] = []  # FP8 layers and their weight's gradient slice
         master_numel = 0
         for module, named in _bucket_modules(model):
             bucket = self._build_bucket(named, dtype, device, rank, master_numel)
@@ -147,6 +149,8 @@ class DDP:
             view = nn.Parameter(bucket.weights[offset : offset + p.numel()].view(p.shape))
             module, key = owners[id(p)]
             module._parameters[key] = view
+            if isinstance(module, FP8Linear) and key == "weight":
+                self._sinks.append((module, bucket.grads[offset : offset + p.numel()]))
             view.register_post_accumulate_grad_hook(
                 lambda param, b=bucket, i=index: self._gradient_arrived(b, i, param)
             )
@@ -186,6 +190,10 @@ class DDP:
         self._micro = (index, count)
         for bucket in self.buckets:
             bucket.waiting = set(range(len(bucket.params)))
+        # the first micro-batch's FP8 weight gradients are written into the buckets by their GEMMs; later ones
+        # are added to them below
+        for layer, sink in self._sinks:
+            layer.wgrad_sink = sink if self._first else None
 
     def _gradient_arrived(self, bucket: Bucket, index: int, param: torch.Tensor) -> None:
         if index not in bucket.waiting:  # a second backward in one micro-batch would count it twice
@@ -194,8 +202,9 @@ class DDP:
         offset = bucket.offsets[index]
         grad = bucket.grads[offset : offset + param.numel()].view(param.shape)
         assert param.grad is not None  # the hook runs once the gradient is accumulated
-        if self._first:  # the first micro-batch overwrites: no zeroing pass
-            grad.copy_(param.grad)
+        if self._first:  # the first micro-batch overwrites: no zeroing pass; an FP8 GEMM may have written it there
+            if param.grad.data_ptr() != grad.data_ptr():
+                grad.copy_(param.grad)
         else:
             grad.add_(param.grad)
         param.grad = None
