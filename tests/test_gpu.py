@@ -216,6 +216,60 @@ def test_fp8_delayed_blocks_compiled_and_graphed_match_eager():
         assert (history[:, :, :3] > 0).all(), mode  # every layer and operand recorded each step
 
 
+def test_the_ddp_fp8_step_never_waits_for_the_host():
+    """The device work of a training step in the ddp layout with FP8 delayed scaling and compiled blocks -- micro-
+    batch, backward into the buckets, clipping and AdamW, the next FP8 scales -- asks the host for nothing: under
+    torch.cuda.set_sync_debug_mode("error") any synchronising call raises. (A CUDA graph capture also refuses
+    them; this checks the eager step, which the host runs ahead of the GPU.)"""
+    import torch.distributed as dist
+
+    from flux_train.config import ParallelConfig, TrainConfig
+    from flux_train.kernels.fp8 import FP8Scaling, convert_to_fp8
+    from flux_train.model.flux import is_token_linear
+    from flux_train.training.ddp import DDP
+    from flux_train.training.distributed import build_mesh
+
+    select_attention_backend("flash")
+    model, cfg = small_model(rmsnorm="triton")
+    weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    convert_to_fp8(model, "delayed", torch.float8_e4m3fn, is_token_linear)
+    scaling = FP8Scaling.of(model, torch.device("cuda"))
+    assert scaling is not None
+    compile_blocks(model, "block")
+    kw, target = inputs(cfg)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DDP(
+            model,
+            build_mesh(ParallelConfig(strategy="ddp"), 1, 1, "cuda"),
+            TrainConfig(),
+            torch.bfloat16,
+            torch.device("cuda"),
+            torch.bfloat16,
+        )
+        ddp.assign_weights(weights.items())
+
+        def step():
+            ddp.begin_step(1e-4)
+            ddp.start_micro_batch(0, 1)
+            loss = flow.mse_loss(model(**kw), target)
+            loss.backward()
+            ddp.finish_backward()
+            norm = ddp.step()
+            scaling.update()
+            return loss.detach(), norm
+
+        step()  # compiles and tunes (which may synchronise)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss, norm = step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(loss) and norm > 0
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
