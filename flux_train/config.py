@@ -884,7 +884,8 @@ def graphs_on(cfg: Config, device_type: str) -> bool:
     """Whether the step runs as a CUDA graph: perf.cuda_graphs=true, or auto where the step can be captured
     (graph_blocker) and where it was measured to pay: with FP8, whose casts can make the step wait on the host (6 +
     12 blocks, micro-batch 8: the graphed step 1.45x eager at one rank and 1.17x at two where the host lagged,
-    0.98-0.99x where it kept up), not in bf16 (0.97-1.01x; docs/performance.md)."""
+    1.02x at two where it kept up), not in bf16 (0.97-1.01x, measured before graphed ddp steps deferred their
+    updates; docs/performance.md)."""
     if cfg.perf.cuda_graphs != "auto":
         return cfg.perf.cuda_graphs
     return cfg.perf.fp8 != "none" and graph_blocker(cfg, device_type) is None

@@ -116,7 +116,8 @@ def test_triton_rmsnorm_default_eps_matches_torch_nn_rmsnorm_on_bf16():
 @pytest.mark.parametrize("n", [1, 4097, 3_000_000 if DEVICE == "cuda" else 300_000])
 def test_triton_adamw_matches_torch_adamw_with_clipping(n):
     """Our one-pass AdamW (bf16 grads, fp32 master and moments, bf16 copy out, clip factor on the device) against
-    torch.optim.AdamW on fp32 copies after clipping the same way, over 5 steps with weight decay."""
+    torch.optim.AdamW on fp32 copies after clipping the same way, over 5 steps with weight decay; a call with the
+    device flag `live` at 0 (an update issued a second time) changes nothing."""
 
     g = torch.Generator(device=DEVICE).manual_seed(n)
     master = torch.randn(n, device=DEVICE, generator=g)
@@ -131,7 +132,11 @@ def test_triton_adamw_matches_torch_adamw_with_clipping(n):
         grad = (torch.randn(n, device=DEVICE, generator=g) * 3).bfloat16()
         coef = torch.tensor([0.5 if step % 2 else 1.0], device=DEVICE)  # clipping on every other step
         hyper = torch.tensor(adamw_hyper(1e-3, 0.9, 0.95, 0.1, step), device=DEVICE)
-        adamw_step_triton(master, m, v, grad, out, coef, hyper, beta1=0.9, beta2=0.95, eps=1e-8)
+        live = torch.ones(1, dtype=torch.int32, device=DEVICE)
+        adamw_step_triton(master, m, v, grad, out, coef, hyper, live, beta1=0.9, beta2=0.95, eps=1e-8)
+        before = [t.clone() for t in (master, m, v, out)]
+        adamw_step_triton(master, m, v, grad, out, coef, hyper, live.zero_(), beta1=0.9, beta2=0.95, eps=1e-8)
+        assert all(torch.equal(a, b) for a, b in zip(before, (master, m, v, out)))
         ref.grad = grad.float() * coef
         opt.step()
         torch.testing.assert_close(master, ref.detach(), rtol=1e-5, atol=1e-6)

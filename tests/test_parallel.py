@@ -240,6 +240,66 @@ def test_ddp_names_the_parameter_that_received_no_gradient_or_two():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_ddp_applies_each_update_once_however_often_it_is_issued(graphed):
+    """Eager, ddp's step() takes the AdamW step. For a graphed step it computes the clipping factor and leaves the
+    update to the next forward or wait_params; a captured step replays that issue without the host knowing whether
+    an evaluation or checkpoint applied it already, and issuing it again changes nothing. Either way two steps
+    match torch's AdamW after torch's clipping."""
+    import torch
+    import torch.distributed as dist
+
+    from flux_train.config import load_config
+    from flux_train.model.flux import build_model
+    from flux_train.training.distributed import build_mesh
+    from flux_train.training.layout import build_training
+
+    cfg = load_config("configs/debug.yaml", ["parallel.strategy=ddp", "train.grad_clip_norm=0.5"])
+    t = cfg.train
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = build_mesh(cfg.parallel, 1, 1, "cpu")
+        model = build_model(cfg.model)
+        ddp = build_training(model, mesh, cfg.parallel, t, torch.float32, torch.device("cpu"), graphed=graphed)
+        g = torch.Generator().manual_seed(0)
+        start = {n: torch.randn(p.shape, generator=g) for b in ddp.buckets for n, p in zip(b.names, b.params)}
+        ddp.assign_weights(start.items())
+        ours = {n: p for b in ddp.buckets for n, p in zip(b.names, b.params)}
+        ref = {n: torch.nn.Parameter(v.clone()) for n, v in start.items()}
+        opt = torch.optim.AdamW(
+            ref.values(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
+        )
+
+        def unchanged(before):
+            return all(torch.equal(p.detach(), before[n]) for n, p in ours.items())
+
+        def matches_reference():
+            for name, p in ours.items():
+                torch.testing.assert_close(p.detach(), ref[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+        for step in range(2):
+            before = {n: p.detach().clone() for n, p in ours.items()}
+            ddp.begin_step(t.lr)
+            ddp.wait_params()  # the issue a replayed step makes again after the last step's was applied: a no-op
+            assert unchanged(before), step
+            ddp.start_micro_batch(0, 1)
+            sum((p.square() * (i + 1)).sum() for i, p in enumerate(ours.values())).backward()
+            ddp.finish_backward()
+            ddp.step()
+            sum((p.square() * (i + 1)).sum() for i, p in enumerate(ref.values())).backward()
+            torch.nn.utils.clip_grad_norm_(ref.values(), t.grad_clip_norm)
+            opt.step()
+            opt.zero_grad()
+            if graphed:
+                assert unchanged(before), step  # the update waits for the next forward
+                ddp.wait_params()  # applies it
+            matches_reference()
+            ddp.wait_params()  # and again: nothing
+            matches_reference()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
     """SIGSTOP one of two workers: the other's next collective times out after parallel.timeout_s and the run

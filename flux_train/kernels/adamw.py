@@ -7,6 +7,10 @@ one-element device tensor (the clipping factor times 1/world for summed gradient
 pass of its own and no host sync. torch's fused AdamW wants gradients in the master's dtype (a 6-byte cast
 pass and 4 more bytes of memory per parameter first) and writes no bf16 copy (another 6-byte pass).
 
+`live`, a one-element int32 device tensor, makes the step conditional on the device: where it is 0 the call
+changes nothing, so an update issued twice (by a replayed CUDA graph and by whoever applied it in between) is
+applied once (flux_train.training.ddp).
+
 The arithmetic follows torch.optim.AdamW (decoupled weight decay, bias corrections, eps outside the sqrt)
 step for step; `adamw_step_torch` is the same in torch ops (CPU path and test reference).
 """
@@ -28,7 +32,9 @@ def adamw_hyper(lr: float, beta1: float, beta2: float, weight_decay: float, step
 
 
 @torch.no_grad()
-def adamw_step_torch(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, *, beta1, beta2, eps) -> None:
+def adamw_step_torch(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, live, *, beta1, beta2, eps) -> None:
+    if not live.item():
+        return
     step_size, bc2_sqrt, decay = hyper
     g = grad.to(master.dtype) * grad_coef
     master.mul_(decay)
@@ -41,9 +47,9 @@ def adamw_step_torch(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, *
 if HAVE_TRITON:
 
     @triton.jit
-    def _adamw_kernel(P, M, V, G, OUT, COEF, HYPER, n, beta1, beta2, eps, BLOCK: tl.constexpr):
+    def _adamw_kernel(P, M, V, G, OUT, COEF, HYPER, LIVE, n, beta1, beta2, eps, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        mask = offs < tl.where(tl.load(LIVE) != 0, n, 0)  # nothing where the update is not live
         step_size, bc2_sqrt, decay = tl.load(HYPER), tl.load(HYPER + 1), tl.load(HYPER + 2)
         g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(COEF)
         p = tl.load(P + offs, mask=mask, other=0.0)
@@ -60,15 +66,15 @@ if HAVE_TRITON:
 
 
 def adamw_step(
-    master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, *, beta1: float, beta2: float, eps: float
+    master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, live, *, beta1: float, beta2: float, eps: float
 ) -> None:
     """One AdamW step on 1-D tensors of equal length (see module docstring): Triton on a GPU, torch elsewhere.
-    `hyper`: the fp32 device tensor of `adamw_hyper`'s values."""
+    `hyper`: the fp32 device tensor of `adamw_hyper`'s values; `live`: 0 makes the call a no-op."""
     step = adamw_step_triton if HAVE_TRITON and master.is_cuda else adamw_step_torch
-    step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, beta1=beta1, beta2=beta2, eps=eps)
+    step(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, live, beta1=beta1, beta2=beta2, eps=eps)
 
 
-def adamw_step_triton(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, *, beta1, beta2, eps) -> None:
+def adamw_step_triton(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, live, *, beta1, beta2, eps) -> None:
     """The Triton kernel: on a GPU, or on CPU tensors under Triton's interpreter (triton_support)."""
     n = master.numel()
     block = 2048
@@ -80,6 +86,7 @@ def adamw_step_triton(master, exp_avg, exp_avg_sq, grad, out, grad_coef, hyper, 
         out,
         grad_coef,
         hyper,
+        live,
         n,
         beta1,
         beta2,

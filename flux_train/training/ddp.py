@@ -5,8 +5,14 @@ compute-dtype copies of the model (141 GB and up): every rank holds the bf16 wei
 buffer of the whole model; the fp32 master weights and the AdamW moments are sharded over the `dp_shard`
 ranks (a node). Per optimizer step the gradients cross the network once (one reduce-scatter per bucket,
 started while backward still runs, plus an all-reduce of the shard across nodes) and the updated weights
-once (one all-gather per bucket, waited for by the block that needs it in the next forward) -- however many
-micro-batches the step accumulates. FSDP (`parallel.strategy: fsdp`) instead gathers the weights twice per
+once (one all-gather per bucket) -- however many micro-batches the step accumulates.
+
+Eager, `step()` issues each bucket's AdamW update and then its all-gather, which runs on into the next forward
+(each block waits for its own bucket). A step captured as a CUDA graph must end with every stream joined, which
+would wait for all the gathers there (~2 ms a step at two ranks), so with `defer_updates` the step ends with the
+clipping factor and the next forward issues each bucket's update and gather LOOKAHEAD buckets ahead of the block
+that needs it. A device flag (`_live`) makes an update apply once however often it is issued: by the replay of
+a captured step, and by an evaluation or checkpoint between two replays. FSDP (`parallel.strategy: fsdp`) instead gathers the weights twice per
 micro-batch and reduces every micro-batch: the layout for 80 GB GPUs.
 
 Buckets are the blocks (and one for the embedders + final layer). A bucket is one flat buffer whose slices
@@ -33,6 +39,7 @@ from flux_train.kernels.fp8 import FP8Linear
 from flux_train.model.flux import block_stacks, canonical_name
 
 ALIGN = 128  # elements: every parameter and every rank's slice of a bucket starts 256-byte aligned (bf16)
+LOOKAHEAD = 2  # buckets whose update is issued ahead of the block being computed
 
 # torch 2.13 renamed the tensor collectives; the older names are what torch 2.6-2.12 have
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -99,9 +106,11 @@ class DDP:
         dtype: torch.dtype,
         device: torch.device,
         cross_dtype: torch.dtype,
+        defer_updates: bool = False,
     ):
         self.model = model
         self.tcfg = tcfg
+        self.defer_updates = defer_updates  # the update in the next forward (a graphed step; module docstring)
         self.shard_group = mesh["dp_shard"].get_group()
         self.replicate_group = mesh["dp_replicate"].get_group()
         # the master weights and moments are saved as one flat tensor sharded like this
@@ -112,16 +121,22 @@ class DDP:
         self.buckets: list[Bucket] = []
         self._sinks: list[tuple[FP8Linear, torch.Tensor]] = []  # FP8 layers and their weight's gradient slice
         master_numel = 0
-        for module, named in _bucket_modules(model):
+        for index, (module, named) in enumerate(_bucket_modules(model)):
             bucket = self._build_bucket(named, dtype, device, rank, master_numel)
             master_numel += bucket.shard_numel
             self.buckets.append(bucket)
-            (model if module is None else module).register_forward_pre_hook(lambda *_, b=bucket: self._wait_gather(b))
+            (model if module is None else module).register_forward_pre_hook(lambda *_, i=index: self._before_forward(i))
         # fp32 master weights and AdamW moments of this rank's slices, one flat tensor each
         self.master = torch.zeros(master_numel, device=device)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.hyper = torch.zeros(3, device=device)  # this step's AdamW scalars (kernels.adamw.adamw_hyper)
+        # the update the last step computed, applied in the next forward: its AdamW scalars, clipping factor, and
+        # whether it is still to be applied (1) on the device
+        self._update_hyper = torch.zeros(3, device=device)
+        self._update_coef = torch.zeros(1, device=device)
+        self._live = torch.zeros(1, dtype=torch.int32, device=device)
+        self._issued = len(self.buckets)  # buckets whose pending update has been issued (all: none pending)
         self.steps = 0
         self._first = self._last = True
         self._micro = (0, 1)  # the current micro-batch's index and count
@@ -173,6 +188,8 @@ class DDP:
         self.steps = 0
         self.exp_avg.zero_()
         self.exp_avg_sq.zero_()
+        self._live.zero_()
+        self._issued = len(self.buckets)
 
     def _master_slice(self, bucket: Bucket, offset: int, numel: int, values: torch.Tensor) -> None:
         lo = max(offset, bucket.shard_start)
@@ -247,24 +264,38 @@ class DDP:
             bucket.grad_shard.copy_(wide)
 
     def begin_step(self, lr: float) -> None:
-        """This step's learning rate and count into the device tensor the optimizer kernels read."""
+        """This step's learning rate and count into the device tensor the optimizer kernels read. Deferred, the
+        forward issues the last step's update again: a replayed graph did not tell the host it left one (`_live`
+        keeps a second issue from applying it twice)."""
         t = self.tcfg
+        if self.defer_updates:
+            self._issued = 0
         self.steps += 1
         for i, value in enumerate(adamw_hyper(lr, t.adam_beta1, t.adam_beta2, t.weight_decay, self.steps)):
             self.hyper[i].fill_(value)
 
     @torch.no_grad()
     def step(self) -> torch.Tensor:
-        """Clip by the global gradient norm and take an AdamW step; returns the pre-clip norm (device tensor).
-        The updated weights are all-gathered asynchronously."""
+        """Clip by the global gradient norm (returned, pre-clip, a device tensor) and issue the AdamW update with
+        the all-gathers, or, deferred, leave it to the next forward (or `wait_params`)."""
         t = self.tcfg
         sq = torch.stack([torch.linalg.vector_norm(b.grad_shard, dtype=torch.float32) for b in self.buckets])
         sq = sq.square().sum()
         if self.shards > 1:
             dist.all_reduce(sq, group=self.shard_group)
         norm = sq.sqrt() / self.world
-        coef = (t.grad_clip_norm / (norm + 1e-6)).clamp(max=1.0) / self.world
-        for bucket in self.buckets:
+        self._update_coef.copy_((t.grad_clip_norm / (norm + 1e-6)).clamp(max=1.0) / self.world)
+        self._update_hyper.copy_(self.hyper)
+        self._live.fill_(1)
+        self._issued = 0
+        if not self.defer_updates:
+            self._issue_updates(len(self.buckets) - 1)
+        return norm
+
+    def _issue_updates(self, through: int) -> None:
+        """AdamW on this rank's slice and the all-gather of buckets up to `through`, each once per step."""
+        t = self.tcfg
+        for bucket in self.buckets[self._issued : through + 1]:
             start, n = bucket.master_offset, bucket.shard_numel
             adamw_step(
                 self.master[start : start + n],
@@ -272,15 +303,24 @@ class DDP:
                 self.exp_avg_sq[start : start + n],
                 bucket.grad_shard,
                 bucket.weight_shard,
-                coef,
-                self.hyper,
+                self._update_coef,
+                self._update_hyper,
+                self._live,
                 beta1=t.adam_beta1,
                 beta2=t.adam_beta2,
                 eps=t.adam_eps,
             )
             if self.shards > 1:
                 bucket.gather = _all_gather(bucket.weights, bucket.weight_shard, group=self.shard_group, async_op=True)
-        return norm
+            self._issued += 1
+            if self._issued == len(self.buckets):
+                self._live.zero_()  # applied: a second issue of it changes nothing
+
+    def _before_forward(self, index: int) -> None:
+        """Before bucket `index`'s first module runs: a pending update issued a few buckets ahead, this bucket's
+        weights gathered."""
+        self._issue_updates(index + LOOKAHEAD)
+        self._wait_gather(self.buckets[index])
 
     def _wait_gather(self, bucket: Bucket) -> None:
         if bucket.gather is not None:
@@ -288,7 +328,9 @@ class DDP:
             bucket.gather = None
 
     def wait_params(self) -> None:
-        """Before reading the weights outside a forward (checkpoints, export)."""
+        """Before reading the weights outside a forward (checkpoints, export, the end of the run): the pending
+        update applied and gathered."""
+        self._issue_updates(len(self.buckets) - 1)
         for bucket in self.buckets:
             self._wait_gather(bucket)
 
@@ -316,5 +358,5 @@ class DDP:
         return {"model": model, "optim": flat | {"steps": torch.tensor(self.steps)}}
 
     def load_state_dict(self, state: dict) -> None:
-        """After dcp.load filled `state_dict()`'s tensors in place."""
+        """After dcp.load filled `state_dict()`'s tensors in place (state_dict applied any pending update first)."""
         self.steps = int(state["optim"]["steps"])

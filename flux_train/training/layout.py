@@ -40,11 +40,12 @@ class Layout(Protocol):
         ...
 
     def step(self) -> torch.Tensor:
-        """Clip by the global gradient norm and take the AdamW step; the pre-clip norm (a device tensor)."""
+        """Clip by the global gradient norm and take the AdamW step (ddp with a graphed step: applied in the next
+        forward or by wait_params); the pre-clip norm (a device tensor)."""
         ...
 
     def wait_params(self) -> None:
-        """Before the weights are read outside a forward (checkpoints, the end of a graphed step or of the run)."""
+        """Before the weights are read outside a forward (checkpoints, export, the end of the run)."""
         ...
 
     def reset_optimizer(self) -> None:
@@ -67,9 +68,11 @@ def build_training(
     tcfg: TrainConfig,
     dtype: torch.dtype,
     device: torch.device,
+    graphed: bool = False,
 ) -> Layout:
-    """The model's training layout, weights allocated on `device`, not yet initialised."""
+    """The model's training layout, weights allocated on `device`, not yet initialised; `graphed`: its step will
+    be captured as a CUDA graph (ddp then applies each update in the next forward)."""
     reduce = reduce_dtype(pcfg, dtype)
     if pcfg.strategy == "ddp":
-        return DDP(model, mesh, tcfg, dtype, device, reduce)
+        return DDP(model, mesh, tcfg, dtype, device, reduce, defer_updates=graphed)
     return FSDPTraining(model, mesh, pcfg, tcfg, dtype, device, reduce)

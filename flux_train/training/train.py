@@ -128,11 +128,14 @@ class Trainer:
         self.n_params = count_params(model)
         initial = self._initial_weights(model)
         prepare_model(model, cfg.perf, cfg.parallel.activation_checkpointing, self.device)
-        self.layout = build_training(model, self.dist.mesh, cfg.parallel, cfg.train, self.dtype, self.device)
+        graphed = graphs_on(cfg, self.device.type)
+        self.layout = build_training(
+            model, self.dist.mesh, cfg.parallel, cfg.train, self.dtype, self.device, graphed=graphed
+        )
         self.model = self.layout.model
         self.layout.assign_weights(initial)
         self.fp8 = FP8Scaling.of(self.model, self.device, cfg.perf.fp8_margin)  # perf.fp8=delayed: its scales
-        self.graphed = GraphedStep(self._device_step) if graphs_on(cfg, self.device.type) else None
+        self.graphed = GraphedStep(self._device_step) if graphed else None
         self.data = build_data(cfg, self.dist.rank, self.dist.world_size, dataset)
         self.empty = (self.data.empty_t5.to(self.device), self.data.empty_clip.to(self.device))
         draws = bool(cfg.eval.sample_prompts)
@@ -241,14 +244,13 @@ class Trainer:
 
     def _device_step(self, staged: list[tuple[dict, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's device work (what perf.cuda_graphs captures): forward and backward of every micro-batch,
-        clipping and AdamW (the gradient norm), the FP8 scales of the next step, the weights' all-gathers."""
+        clipping and AdamW (graphed ddp: the clipping factor here, the update and all-gathers interleaved with the
+        next forward), the FP8 scales of the next step."""
         losses = [self._forward_backward(inputs, target, micro) for micro, (inputs, target) in enumerate(staged)]
         loss_sum = functools.reduce(operator.add, losses)  # the micro-batches' losses, summed in order
-        grad_norm = self.layout.step()
+        grad_norm = self.layout.step()  # graphed ddp: the update runs in the next forward, no gather in flight
         if self.fp8 is not None:
             self.fp8.update()
-        if self.graphed is not None:
-            self.layout.wait_params()  # the all-gathers end inside the graph
         return loss_sum, grad_norm
 
     def warm_up(self, iters: int) -> None:
