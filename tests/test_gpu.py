@@ -275,7 +275,8 @@ def test_the_ddp_fp8_step_never_waits_for_the_host():
 def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
     """perf.cuda_graphs (ddp layout, compiled blocks, accumulation 3, the whole step in one graph: on 2 GPUs with
     the reduce-scatters, the norm's all-reduce and the all-gathers inside) trains like the eager step: losses
-    and grad norms over 6 steps, the learning rate changing every step (warm-up). And it ends: within 30 s of its
+    and grad norms over 6 steps, the learning rate changing every step (warm-up), with evals and a checkpoint
+    between steps (val losses too). And it ends: within 30 s of its
     last step and of run_stop (a graphed run at two ranks once trained right and then never exited)."""
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
@@ -296,17 +297,22 @@ def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
             "train.warmup_steps": 4,
             "train.micro_batch_size": 2,
             "train.global_batch_size": 6 * nproc,
-            "eval.enabled": "false",
+            # an eval and a checkpoint between steps: the graphed step's deferred AdamW update is applied by
+            # whichever comes first, the eval's forward, the checkpoint, or the next replay -- once
+            "eval.every_steps": 2,
+            "eval.target": 0.0,
+            "checkpoint.every_steps": 3,
             "logging.log_every": 1,
             "logging.progress_bar": "false",
         }
         proc = train(out, *set_flags(sets), nproc=nproc, timeout=240)
         ended = time.time()
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        runs[graphs] = (column(out, "loss"), column(out, "grad_norm"))
+        runs[graphs] = (column(out, "loss"), column(out, "grad_norm"), column(out, "val_loss"))
         run_stop = next(e for e in events(out) if e["key"] == "run_stop")
         assert ended - run_stop["time_ms"] / 1000 < 30, graphs
         assert ended - (out / "metrics.jsonl").stat().st_mtime < 30, graphs
     assert len(runs[True][0]) == 6
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-2)
     assert runs[True][1] == pytest.approx(runs[False][1], rel=2e-2)
+    assert len(runs[True][2]) == 3 and runs[True][2] == pytest.approx(runs[False][2], rel=1e-2)
