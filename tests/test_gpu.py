@@ -276,8 +276,8 @@ def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
     """perf.cuda_graphs (ddp layout, compiled blocks, accumulation 3, the whole step in one graph: on 2 GPUs with
     the reduce-scatters, the norm's all-reduce and the all-gathers inside) trains like the eager step: losses
     and grad norms over 6 steps, the learning rate changing every step (warm-up), with evals and a checkpoint
-    between steps (val losses too). And it ends: within 30 s of its
-    last step and of run_stop (a graphed run at two ranks once trained right and then never exited)."""
+    between steps (val losses too). And it ends: within 30 s of its last step and of run_stop (a graphed run at
+    two ranks once trained right and then never exited)."""
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
     runs = {}

@@ -243,13 +243,15 @@ def test_ddp_names_the_parameter_that_received_no_gradient_or_two():
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 def test_ddp_applies_each_update_once_however_often_it_is_issued(graphed):
     """Eager, ddp's step() takes the AdamW step. For a graphed step it computes the clipping factor and leaves the
-    update to the next forward or wait_params; a captured step replays that issue without the host knowing whether
-    an evaluation or checkpoint applied it already, and issuing it again changes nothing. Either way two steps
-    match torch's AdamW after torch's clipping."""
+    update to the next forward (the first step's: an evaluation's forward, bucket by bucket ahead of the blocks) or
+    wait_params (the second's); a captured step replays that issue without the host knowing whether an evaluation
+    or checkpoint applied it already, and issuing it again changes nothing. Either way two steps match torch's
+    AdamW after torch's clipping."""
     import torch
     import torch.distributed as dist
 
     from flux_train.config import load_config
+    from flux_train.model import flow
     from flux_train.model.flux import build_model
     from flux_train.training.distributed import build_mesh
     from flux_train.training.layout import build_training
@@ -268,6 +270,16 @@ def test_ddp_applies_each_update_once_however_often_it_is_issued(graphed):
         ref = {n: torch.nn.Parameter(v.clone()) for n, v in start.items()}
         opt = torch.optim.AdamW(
             ref.values(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
+        )
+
+        m = cfg.model
+        inputs = dict(
+            img=torch.randn(1, 64, m.in_channels, generator=g),
+            img_ids=flow.image_ids(16, 16, "cpu"),
+            txt=torch.randn(1, 8, m.joint_attention_dim, generator=g),
+            txt_ids=flow.text_ids(8, "cpu"),
+            timesteps=torch.rand(1, generator=g),
+            y=torch.randn(1, m.pooled_projection_dim, generator=g),
         )
 
         def unchanged(before):
@@ -292,7 +304,11 @@ def test_ddp_applies_each_update_once_however_often_it_is_issued(graphed):
             opt.zero_grad()
             if graphed:
                 assert unchanged(before), step  # the update waits for the next forward
-                ddp.wait_params()  # applies it
+                if step == 0:  # an evaluation's forward applies it
+                    with torch.no_grad():
+                        ddp.model(**inputs)
+                else:
+                    ddp.wait_params()
             matches_reference()
             ddp.wait_params()  # and again: nothing
             matches_reference()

@@ -144,6 +144,13 @@ def test_groups_import_only_downwards():
     assert upward_imports(ROOT) == []
 
 
+def plant(top: Path, files: dict[str, str]) -> None:
+    """A flux_train package under `top` made of `files` (path in the package -> source)."""
+    for name, text in files.items():
+        (top / "flux_train" / name).parent.mkdir(parents=True, exist_ok=True)
+        (top / "flux_train" / name).write_text(text)
+
+
 def test_the_group_check_finds_an_upward_import(tmp_path):
     """A planted tree: an import up the groups is reported however it is written; one down or sideways is not."""
     planted = {
@@ -156,9 +163,7 @@ def test_the_group_check_finds_an_upward_import(tmp_path):
         "model/fine.py": "import flux_train.model.flux\nfrom flux_train import config\nfrom . import flow\n",
         "training/__init__.py": "from flux_train.kernels import rmsnorm\nfrom flux_train.model import flux\n",
     }
-    for name, text in planted.items():
-        (tmp_path / "flux_train" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "flux_train" / name).write_text(text)
+    plant(tmp_path, planted)
     assert upward_imports(tmp_path) == [
         "flux_train.config (base) imports flux_train.train (commands)",
         "flux_train.model.adapter (model) imports flux_train.cluster.submit (cluster)",
@@ -226,9 +231,7 @@ def test_the_circle_check_finds_a_circle_however_its_imports_are_written(tmp_pat
         "data/energon.py": "def later():\n    from flux_train.data.sources import build_data\n",
         "data/contract.py": "from flux_train.data import sources\n",
     }
-    for name, text in planted.items():
-        (tmp_path / "flux_train" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "flux_train" / name).write_text(text)
+    plant(tmp_path, planted)
     assert import_circles(tmp_path) == [
         "flux_train.data.energon -> flux_train.data.sources -> flux_train.data.energon",
         "flux_train.data.sources -> flux_train.data.energon -> flux_train.data.sources",

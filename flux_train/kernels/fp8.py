@@ -105,14 +105,14 @@ def scaled_mm(
 def scaled_mm_into(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """a @ b with per-tensor scales (a row-major, b column-major) written in place into the flat `out`: an op
-    that says it mutates `out`, so a compiled backward writes the GEMM's result straight there
-    (torch._scaled_mm's out= is functionalised into a product and a copy)."""
+    """`scaled_mm` with per-tensor scales, written in place into the flat `out`: an op that says it mutates
+    `out`, so a compiled backward writes the GEMM's result straight there (torch._scaled_mm's out= is
+    functionalised into a product and a copy)."""
     out2 = out.view(a.shape[0], b.shape[1])
     if a.is_cuda:
         torch._scaled_mm(a, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out.dtype, out=out2)
-    else:
-        out2.copy_((a.float() * a_scale) @ (b.float() * b_scale))
+    else:  # the CPU emulation, as the unsunk weight gradient computes it
+        out2.copy_(scaled_mm(a, a_scale, b, b_scale))
 
 
 class _TensorwiseLinear(torch.autograd.Function):

@@ -5,15 +5,16 @@ compute-dtype copies of the model (141 GB and up): every rank holds the bf16 wei
 buffer of the whole model; the fp32 master weights and the AdamW moments are sharded over the `dp_shard`
 ranks (a node). Per optimizer step the gradients cross the network once (one reduce-scatter per bucket,
 started while backward still runs, plus an all-reduce of the shard across nodes) and the updated weights
-once (one all-gather per bucket) -- however many micro-batches the step accumulates.
+once (one all-gather per bucket) -- however many micro-batches the step accumulates. FSDP
+(`parallel.strategy: fsdp`) instead gathers the weights twice per micro-batch and reduces every micro-batch:
+the layout for 80 GB GPUs.
 
 Eager, `step()` issues each bucket's AdamW update and then its all-gather, which runs on into the next forward
 (each block waits for its own bucket). A step captured as a CUDA graph must end with every stream joined, which
 would wait for all the gathers there (~2 ms a step at two ranks), so with `defer_updates` the step ends with the
 clipping factor and the next forward issues each bucket's update and gather LOOKAHEAD buckets ahead of the block
 that needs it. A device flag (`_live`) makes an update apply once however often it is issued: by the replay of
-a captured step, and by an evaluation or checkpoint between two replays. FSDP (`parallel.strategy: fsdp`) instead gathers the weights twice per
-micro-batch and reduces every micro-batch: the layout for 80 GB GPUs.
+a captured step, and by an evaluation or checkpoint between two replays.
 
 Buckets are the blocks (and one for the embedders + final layer). A bucket is one flat buffer whose slices
 are the parameters (and one for their gradients); rank r of the shard group owns the r-th 1/S of every
