@@ -278,7 +278,7 @@ class PerfConfig:
     cuda_graphs: Literal["auto", True, False] = setting(
         "auto",
         "the whole optimizer step (micro-batches, reduction, AdamW, all-gathers) as one CUDA graph (ddp only); auto: "
-        "on where it can capture and pays (ddp on a GPU with FP8; `graphs_on`), off elsewhere",
+        "on wherever it can capture (ddp on a GPU, a warm-up to capture in; `graphs_on`), off elsewhere",
     )
     rmsnorm: Literal["auto", "triton", "torch"] = setting(
         "auto", "the Q/K RMSNorms' kernel; auto: ours in Triton on a GPU, torch's elsewhere"
@@ -881,14 +881,13 @@ def graph_blocker(cfg: Config, device_type: str | None = None) -> str | None:
 
 
 def graphs_on(cfg: Config, device_type: str) -> bool:
-    """Whether the step runs as a CUDA graph: perf.cuda_graphs=true, or auto where the step can be captured
-    (graph_blocker) and where it was measured to pay: with FP8, whose casts can make the step wait on the host (6 +
-    12 blocks, micro-batch 8: the graphed step 1.45x eager at one rank and 1.17x at two where the host lagged,
-    1.02x at two where it kept up), not in bf16 (0.97-1.01x, measured before graphed ddp steps deferred their
-    updates; docs/performance.md)."""
+    """Whether the step runs as a CUDA graph: perf.cuda_graphs=true, or auto wherever the step can be captured
+    (graph_blocker). Measured at 6 + 12 blocks, micro-batch 8 since graphed ddp steps defer their updates: never
+    slower than eager (bf16 1.02x at one H100 and at two H200, FP8 1.02x at two H200), and with FP8, whose casts
+    can make the step wait on the host, up to 1.45x (docs/performance.md)."""
     if cfg.perf.cuda_graphs != "auto":
         return cfg.perf.cuda_graphs
-    return cfg.perf.fp8 != "none" and graph_blocker(cfg, device_type) is None
+    return graph_blocker(cfg, device_type) is None
 
 
 def checkpoint_dir(cfg: Config) -> Path:

@@ -127,13 +127,16 @@ def test_a_step_row_is_labelled_by_its_micro_batch_failed_or_not():
 
 
 def test_fwdbwd_rows_are_graphed_where_the_trainer_would_capture_its_step():
-    """Under perf.cuda_graphs=auto (an H200 system config: ddp, bf16) our FP8 rows run graphed as the trainer's step
-    would with that recipe, the bf16 row eager; the no-graphs ablation never, a config's `true` always."""
+    """Under perf.cuda_graphs=auto (an H200 system config: ddp) our rows run graphed as the trainer's step would, and
+    eager with the fsdp layout, which cannot capture; the no-graphs ablation never, a config's `true` always."""
     from flux_train.config import load_config
 
     auto = load_config("configs/systems/H200_01x08.yaml")
     assert bench.row_perf(auto, "ours-fp8-delayed").cuda_graphs is True
-    assert bench.row_perf(auto, "ours").cuda_graphs is False
+    assert bench.row_perf(auto, "ours").cuda_graphs is True
+    assert bench.row_perf(auto, "ours-no-graphs").cuda_graphs is False
+    fsdp = load_config("configs/systems/H200_01x08.yaml", ["parallel.strategy=fsdp"])
+    assert bench.row_perf(fsdp, "ours-fp8-delayed").cuda_graphs is False
     forced = load_config("configs/bench.yaml")
     assert bench.row_perf(forced, "ours").cuda_graphs is True
     assert bench.row_perf(forced, "ours-no-graphs").cuda_graphs is False
