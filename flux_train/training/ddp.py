@@ -74,6 +74,11 @@ class Bucket:
     def weight_shard(self) -> torch.Tensor:
         return self.weights[self.shard_start : self.shard_start + self.shard_numel]
 
+    def grad_of(self, index: int) -> torch.Tensor:
+        """The slice of `grads` that holds parameter `index`'s gradient, in its shape."""
+        param, offset = self.params[index], self.offsets[index]
+        return self.grads[offset : offset + param.numel()].view(param.shape)
+
 
 def _bucket_modules(model: nn.Module) -> list[tuple[nn.Module | None, list[tuple[str, nn.Parameter]]]]:
     """[(module whose forward first needs the bucket (None = the model), [(name, param)])], forward order."""
@@ -165,12 +170,12 @@ class DDP:
             view = nn.Parameter(bucket.weights[offset : offset + p.numel()].view(p.shape))
             module, key = owners[id(p)]
             module._parameters[key] = view
-            if isinstance(module, FP8Linear) and key == "weight":
-                self._sinks.append((module, bucket.grads[offset : offset + p.numel()]))
             view.register_post_accumulate_grad_hook(
                 lambda param, b=bucket, i=index: self._gradient_arrived(b, i, param)
             )
             bucket.params.append(view)
+            if isinstance(module, FP8Linear) and key == "weight":
+                self._sinks.append((module, bucket.grad_of(index).view(-1)))
         bucket.waiting = set(range(len(bucket.params)))
         return bucket
 
@@ -217,8 +222,7 @@ class DDP:
         if index not in bucket.waiting:  # a second backward in one micro-batch would count it twice
             raise RuntimeError(f"parameter {bucket.names[index]} received a second gradient in one micro-batch")
         bucket.waiting.remove(index)
-        offset = bucket.offsets[index]
-        grad = bucket.grads[offset : offset + param.numel()].view(param.shape)
+        grad = bucket.grad_of(index)
         assert param.grad is not None  # the hook runs once the gradient is accumulated
         if self._first:  # the first micro-batch overwrites: no zeroing pass; an FP8 GEMM may have written it there
             if param.grad.data_ptr() != grad.data_ptr():
