@@ -88,6 +88,41 @@ def test_cast_kernel_matches_its_torch_reference(shape, history_scale, fp8):
         assert (q.abs() == fmax).any()  # saturated, not wrapped or NaN
 
 
+@pytest.mark.parametrize("scales", [(0.0, 0.004), (0.003, 0.0), (0.0, 0.0)])  # current and delayed, either way round
+def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales):
+    """x and W of one GEMM cast in one launch per kernel (ragged tiles, more rows in either) give each operand the
+    values, both layouts, scale and amax that a launch of its own gives, and the torch path agrees."""
+    from flux_train.kernels.fp8_cast import _cast_transpose_pair_triton, _cast_transpose_triton, cast_transpose_pair
+
+    g = torch.Generator().manual_seed(1)
+    for rows in ((100, 48), (40, 130)):
+        x, w = ((torch.randn(r, 200, generator=g) * 3).bfloat16() for r in rows)
+        w[2, 7] = 9.0
+        prior = torch.tensor([1.5, 20.0])  # an earlier call's maxima: x's raised, w's kept
+        amax_pair = prior.to(DEVICE)
+        scale_t = torch.tensor(scales)
+        pair = _cast_transpose_pair_triton(
+            x.to(DEVICE), w.to(DEVICE), scale_t.to(DEVICE), amax_pair, torch.float32, 448.0
+        )
+        xq, xq_t, wq, wq_t, used = (t.cpu() for t in pair)
+        singles = []
+        for i, t in enumerate((x, w)):
+            amax = prior[i : i + 1].to(DEVICE)
+            q, qt, s, _ = _cast_transpose_triton(
+                t.to(DEVICE), scale_t[i].to(DEVICE), amax, torch.float32, 448.0, True, False
+            )
+            singles.append((q.cpu(), qt.cpu(), s.cpu(), amax.cpu()))
+        assert torch.equal(xq, singles[0][0]) and torch.equal(xq_t, singles[0][1])
+        assert torch.equal(wq, singles[1][0]) and torch.equal(wq_t, singles[1][1])
+        assert torch.equal(used, torch.stack([singles[0][2], singles[1][2]]))
+        assert torch.equal(amax_pair.cpu(), torch.cat([singles[0][3], singles[1][3]]))
+        assert amax_pair[0].item() == x.float().abs().max().item() and amax_pair[1].item() == 20.0
+        amax_t = prior.clone()
+        tq = cast_transpose_pair(x, w, scale_t, amax_t, E4M3, impl="torch")
+        assert torch.equal(tq[4], used) and torch.equal(amax_t, amax_pair.cpu())
+        assert torch.equal(tq[2].float(), wq.to(E4M3).float()) and torch.equal(tq[1], tq[0].t())
+
+
 def test_cast_kernel_keeps_nan_and_casts_zeros_to_zeros():
     """A non-finite operand stays visible (the run's NaN check must see it); an all-zero gradient (the gates are
     zero at init) casts to zeros with a finite scale."""

@@ -118,10 +118,11 @@ def test_cudnn_attention_is_checked_and_chosen_on_hopper():
 
 
 def test_fp8_cast_kernel_writes_torch_e4m3_bits():
-    """On a GPU the kernel's e4m3 values are torch's rounding of the scaled values, bit for bit, in both layouts
-    (CPU tests compare before the conversion, which Triton's interpreter does not do faithfully)."""
+    """On a GPU the kernel's e4m3 values are torch's rounding of the scaled values, bit for bit, in both layouts,
+    also where x and W share a launch (CPU tests compare before the conversion, which Triton's interpreter does not
+    do faithfully)."""
     from flux_train.kernels.fp8 import device_e4m3
-    from flux_train.kernels.fp8_cast import cast_transpose
+    from flux_train.kernels.fp8_cast import cast_transpose, cast_transpose_pair
 
     fp8 = device_e4m3(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -135,6 +136,14 @@ def test_fp8_cast_kernel_writes_torch_e4m3_bits():
             assert amax.item() == x.float().abs().max().item()
             assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), (shape, history)
             assert torch.equal(qt.view(torch.uint8), want.t().contiguous().view(torch.uint8)), (shape, history)
+    # a GEMM's x and W in one launch: each operand's bits as its own launch writes them
+    x, w = (torch.randn(rows, 3072, device="cuda", generator=g).bfloat16() for rows in (4096, 9216))
+    scales, amax = torch.tensor([0.0, 0.0001], device="cuda"), torch.zeros(2, device="cuda")
+    pair = cast_transpose_pair(x, w, scales, amax, fp8)
+    for i, t in enumerate((x, w)):
+        q, qt, s, _ = cast_transpose(t, scales[i], torch.zeros(1, device="cuda"), fp8)
+        assert torch.equal(pair[2 * i].view(torch.uint8), q.view(torch.uint8)) and pair[4][i] == s
+        assert torch.equal(pair[2 * i + 1].view(torch.uint8), qt.view(torch.uint8))
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "delayed"])

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from flux_train.kernels.fp8_cast import cast_transpose
+from flux_train.kernels.fp8_cast import cast_transpose, cast_transpose_pair
 
 E4M3 = torch.float8_e4m3fn
 
@@ -122,8 +122,8 @@ class _TensorwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, bias, scales, amax, amax_grad, dtype, sink):
-        xq, xq_t, xs, _ = cast_transpose(x2, scales[0], amax[0:1], dtype)
-        wq, wq_t, ws, _ = cast_transpose(weight, scales[1], amax[1:2], dtype)
+        xq, xq_t, wq, wq_t, used = cast_transpose_pair(x2, weight, scales[0:2], amax, dtype)
+        xs, ws = used[0], used[1]
         ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         # the backward's operands in the layouts it needs, in e4m3: half the bytes of the bf16 ones

@@ -10,6 +10,8 @@ tensor). Where it is 0 (no history yet: the first step, or a recipe without one)
 tensor's amax (one more 2-byte read) and the cast uses amax / max(e4m3): current scaling, decided on the GPU,
 so the same captured graph serves both. Returns (q, q transposed or an empty tensor, the scale used, and with
 `column_sums` x's fp32 sums over its rows: a bias gradient when x is the output gradient, at no extra read).
+`cast_transpose_pair` casts a GEMM's two forward operands (x and W, the same K) in one launch of each kernel:
+inside a captured step the launches, not the bytes, are what the small casts cost.
 
 The Triton path is a `torch.library.triton_op`: torch.compile calls the kernels as they are (Inductor does not
 re-trace them) and CUDA graphs capture them. `cast_transpose_torch` is the same in torch ops: the CPU path
@@ -45,7 +47,7 @@ def cast_transpose_torch(
 if HAVE_TRITON:
 
     @triton.jit
-    def _amax_kernel(X, SCALE, AMAX, n, BLOCK: tl.constexpr):
+    def _amax_of(X, SCALE, AMAX, n, BLOCK: tl.constexpr):
         # current scaling only: with a scale from the history the programs end at once
         if tl.load(SCALE) <= 0:
             acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -56,7 +58,14 @@ if HAVE_TRITON:
             tl.atomic_max(AMAX, tl.max(acc, axis=0))
 
     @triton.jit
-    def _cast_transpose_kernel(
+    def _amax_kernel(X, X2, SCALE, AMAX, n, n2, BLOCK: tl.constexpr):
+        # X2 (n2 elements, 0: none) is a second operand, whose scale and amax follow X's
+        _amax_of(X, SCALE, AMAX, n, BLOCK)
+        if n2 > 0:
+            _amax_of(X2, SCALE + 1, AMAX + 1, n2, BLOCK)
+
+    @triton.jit
+    def _cast_tile(
         X,
         Q,
         QT,
@@ -66,13 +75,15 @@ if HAVE_TRITON:
         SUMS,
         M,
         K,
+        tile_m,
+        tile_k,
         FMAX: tl.constexpr,
         TRANSPOSE: tl.constexpr,
         COLUMN_SUMS: tl.constexpr,
         BM: tl.constexpr,
         BK: tl.constexpr,
     ):
-        row0, col0 = tl.program_id(0) * BM, tl.program_id(1) * BK
+        row0, col0 = tile_m * BM, tile_k * BK
         rm, rk = tl.arange(0, BM), tl.arange(0, BK)
         mask = (row0 + rm[:, None] < M) & (col0 + rk[None, :] < K)
         # 64-bit offset of the tile, 32-bit offsets within it (keeps the contiguity Triton coalesces by)
@@ -93,9 +104,40 @@ if HAVE_TRITON:
             tl.store(QT + (col0.to(tl.int64) * M + row0) + (rk[None, :] * M + rm[:, None]), q, mask=mask)
         tl.atomic_max(AMAX, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
         if COLUMN_SUMS:  # this tile's column sums, one row of partials per row tile (summed in a fixed order after)
-            tl.store(SUMS + tl.program_id(0) * K + col0 + rk, tl.sum(x, axis=0), mask=col0 + rk < K)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(SUMS + tile_m * K + col0 + rk, tl.sum(x, axis=0), mask=col0 + rk < K)
+        if (tile_m == 0) & (tile_k == 0):
             tl.store(S_OUT, s)
+
+    @triton.jit
+    def _cast_transpose_kernel(
+        X,
+        Q,
+        QT,
+        M,
+        X2,
+        Q2,
+        QT2,
+        M2,
+        K,
+        SCALE,
+        AMAX,
+        S_OUT,
+        SUMS,
+        FMAX: tl.constexpr,
+        TRANSPOSE: tl.constexpr,
+        COLUMN_SUMS: tl.constexpr,
+        BM: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        # the row tiles of X, then those of X2 (M2 rows, 0: none; its scale, amax and scale used follow X's; column
+        # sums only for a lone X)
+        tiles = tl.cdiv(M, BM)
+        if tl.program_id(0) < tiles:
+            _cast_tile(X, Q, QT, SCALE, AMAX, S_OUT, SUMS, M, K, tl.program_id(0), tl.program_id(1),
+                       FMAX, TRANSPOSE, COLUMN_SUMS, BM, BK)  # fmt: skip
+        else:
+            _cast_tile(X2, Q2, QT2, SCALE + 1, AMAX + 1, S_OUT + 1, SUMS, M2, K, tl.program_id(0) - tiles,
+                       tl.program_id(1), FMAX, TRANSPOSE, COLUMN_SUMS, BM, BK)  # fmt: skip
 
     _AMAX_BLOCK = 4096
     # rows x columns of x (256-byte loads, 128- and 64-byte stores per row/column), warps: measured on an H200
@@ -107,6 +149,41 @@ if HAVE_TRITON:
         if x.is_cuda:
             return 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
         return 4
+
+    def _launch(xs: list[torch.Tensor], scale, amax, dtype, fmax: float, transpose: bool, column_sums: bool):
+        """The two kernels over one operand or two of the same K (`scale`, `amax`: one element per operand)."""
+        x, x2 = xs[0], xs[-1]
+        (m, k), m2 = x.shape, x2.shape[0] if len(xs) == 2 else 0
+        qs = [torch.empty(t.shape, device=x.device, dtype=dtype) for t in xs]
+        qts = [torch.empty((k, t.shape[0]) if transpose else (0,), device=x.device, dtype=dtype) for t in xs]
+        s = torch.empty((2,) if len(xs) == 2 else (), device=x.device, dtype=torch.float32)
+        bm, bk, warps = _TILE
+        partial = torch.empty((triton.cdiv(m, bm), k) if column_sums else (0,), device=x.device, dtype=torch.float32)
+        n, n2 = m * k, m2 * k
+        programs = max(1, min(_amax_programs(x), triton.cdiv(max(n, n2), _AMAX_BLOCK)))
+        wrap_triton(_amax_kernel)[(programs,)](x, x2, scale, amax, n, n2, BLOCK=_AMAX_BLOCK)
+        wrap_triton(_cast_transpose_kernel)[(triton.cdiv(m, bm) + triton.cdiv(m2, bm), triton.cdiv(k, bk))](
+            x,
+            qs[0],
+            qts[0],
+            m,
+            x2,
+            qs[-1],
+            qts[-1],
+            m2,
+            k,
+            scale,
+            amax,
+            s,
+            partial,
+            FMAX=fmax,
+            TRANSPOSE=transpose,
+            COLUMN_SUMS=column_sums,
+            BM=bm,
+            BK=bk,
+            num_warps=warps,
+        )
+        return qs, qts, s, partial
 
     @triton_op("flux_train::fp8_cast_transpose", mutates_args={"amax"})
     def _cast_transpose_triton(
@@ -120,33 +197,16 @@ if HAVE_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`dtype` the values' type (e4m3; the tests take fp32 values under the interpreter, whose e4m3
         conversion is not faithful), `fmax` the e4m3 format's largest value."""
-        m, k = x.shape
-        q = torch.empty((m, k), device=x.device, dtype=dtype)
-        qt = torch.empty((k, m) if transpose else (0,), device=x.device, dtype=dtype)
-        s = torch.empty((), device=x.device, dtype=torch.float32)
-        bm, bk, warps = _TILE
-        partial = torch.empty((triton.cdiv(m, bm), k) if column_sums else (0,), device=x.device, dtype=torch.float32)
-        n = m * k
-        programs = max(1, min(_amax_programs(x), triton.cdiv(n, _AMAX_BLOCK)))
-        wrap_triton(_amax_kernel)[(programs,)](x, scale, amax, n, BLOCK=_AMAX_BLOCK)
-        wrap_triton(_cast_transpose_kernel)[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
-            x,
-            q,
-            qt,
-            scale,
-            amax,
-            s,
-            partial,
-            m,
-            k,
-            FMAX=fmax,
-            TRANSPOSE=transpose,
-            COLUMN_SUMS=column_sums,
-            BM=bm,
-            BK=bk,
-            num_warps=warps,
-        )
+        (q,), (qt,), s, partial = _launch([x], scale, amax, dtype, fmax, transpose, column_sums)
         return q, qt, s, partial.sum(0) if column_sums else partial
+
+    @triton_op("flux_train::fp8_cast_transpose_pair", mutates_args={"amax"})
+    def _cast_transpose_pair_triton(
+        x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, fmax: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The two operands of one GEMM (the same K) in one launch of each kernel: `scales`, `amax` [2]."""
+        (xq, wq), (xq_t, wq_t), s, _ = _launch([x, w], scales, amax, dtype, fmax, True, False)
+        return xq, xq_t, wq, wq_t, s
 
 
 def cast_transpose(
@@ -168,3 +228,22 @@ def cast_transpose(
         fmax = torch.finfo(dtype).max
         return _cast_transpose_triton(x.contiguous(), scale, amax, dtype, fmax, transpose, column_sums)
     return cast_transpose_torch(x, scale, amax, dtype, transpose, column_sums)
+
+
+def cast_transpose_pair(
+    x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`cast_transpose` of a GEMM's two operands x [M,K] and w [N,K] in one launch per kernel (each launch costs
+    microseconds in a step of a few hundred): (xq, xq transposed, wq, wq transposed, the two scales used [2]);
+    `scales` and `amax` [2] hold x's and then w's."""
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"cast_transpose_pair: x {tuple(x.shape)} and w {tuple(w.shape)} differ in K")
+    if impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda):
+        if not kernels_run_on(x.device):
+            raise RuntimeError("the Triton FP8 cast needs a GPU (or Triton's interpreter on the CPU)")
+        return _cast_transpose_pair_triton(
+            x.contiguous(), w.contiguous(), scales.contiguous(), amax, dtype, torch.finfo(dtype).max
+        )
+    xq, xq_t, xs, _ = cast_transpose_torch(x, scales[0], amax[0:1], dtype)
+    wq, wq_t, ws, _ = cast_transpose_torch(w, scales[1], amax[1:2], dtype)
+    return xq, xq_t, wq, wq_t, torch.stack([xs, ws])
