@@ -104,7 +104,7 @@ def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales):
         pair = _cast_transpose_pair_triton(
             x.to(DEVICE), w.to(DEVICE), scale_t.to(DEVICE), amax_pair, torch.float32, 448.0
         )
-        xq, xq_t, wq, wq_t, used = (t.cpu() for t in pair)
+        xq, xq_t, xs, wq, wq_t, ws = (t.cpu() for t in pair)
         singles = []
         for i, t in enumerate((x, w)):
             amax = prior[i : i + 1].to(DEVICE)
@@ -114,13 +114,13 @@ def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales):
             singles.append((q.cpu(), qt.cpu(), s.cpu(), amax.cpu()))
         assert torch.equal(xq, singles[0][0]) and torch.equal(xq_t, singles[0][1])
         assert torch.equal(wq, singles[1][0]) and torch.equal(wq_t, singles[1][1])
-        assert torch.equal(used, torch.stack([singles[0][2], singles[1][2]]))
+        assert torch.equal(xs, singles[0][2]) and torch.equal(ws, singles[1][2])
         assert torch.equal(amax_pair.cpu(), torch.cat([singles[0][3], singles[1][3]]))
         assert amax_pair[0].item() == x.float().abs().max().item() and amax_pair[1].item() == 20.0
         amax_t = prior.clone()
         tq = cast_transpose_pair(x, w, scale_t, amax_t, E4M3, impl="torch")
-        assert torch.equal(tq[4], used) and torch.equal(amax_t, amax_pair.cpu())
-        assert torch.equal(tq[2].float(), wq.to(E4M3).float()) and torch.equal(tq[1], tq[0].t())
+        assert torch.equal(tq[2], xs) and torch.equal(tq[5], ws) and torch.equal(amax_t, amax_pair.cpu())
+        assert torch.equal(tq[3].float(), wq.to(E4M3).float()) and torch.equal(tq[1], tq[0].t())
 
 
 def test_cast_kernel_keeps_nan_and_casts_zeros_to_zeros():

@@ -142,8 +142,8 @@ def test_fp8_cast_kernel_writes_torch_e4m3_bits():
     pair = cast_transpose_pair(x, w, scales, amax, fp8)
     for i, t in enumerate((x, w)):
         q, qt, s, _ = cast_transpose(t, scales[i], torch.zeros(1, device="cuda"), fp8)
-        assert torch.equal(pair[2 * i].view(torch.uint8), q.view(torch.uint8)) and pair[4][i] == s
-        assert torch.equal(pair[2 * i + 1].view(torch.uint8), qt.view(torch.uint8))
+        assert torch.equal(pair[3 * i].view(torch.uint8), q.view(torch.uint8)) and pair[3 * i + 2] == s
+        assert torch.equal(pair[3 * i + 1].view(torch.uint8), qt.view(torch.uint8))
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "delayed"])

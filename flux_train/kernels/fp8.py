@@ -122,8 +122,7 @@ class _TensorwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, bias, scales, amax, amax_grad, dtype, sink):
-        xq, xq_t, wq, wq_t, used = cast_transpose_pair(x2, weight, scales[0:2], amax, dtype)
-        xs, ws = used[0], used[1]
+        xq, xq_t, xs, wq, wq_t, ws = cast_transpose_pair(x2, weight, scales[0:2], amax, dtype)
         ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         # the backward's operands in the layouts it needs, in e4m3: half the bytes of the bf16 ones

@@ -122,6 +122,7 @@ if HAVE_TRITON:
         SCALE,
         AMAX,
         S_OUT,
+        S_OUT2,
         SUMS,
         FMAX: tl.constexpr,
         TRANSPOSE: tl.constexpr,
@@ -129,14 +130,14 @@ if HAVE_TRITON:
         BM: tl.constexpr,
         BK: tl.constexpr,
     ):
-        # the row tiles of X, then those of X2 (M2 rows, 0: none; its scale, amax and scale used follow X's; column
-        # sums only for a lone X)
+        # the row tiles of X, then those of X2 (M2 rows, 0: none; its scale and amax follow X's, the scale it used
+        # goes to S_OUT2; column sums only for a lone X)
         tiles = tl.cdiv(M, BM)
         if tl.program_id(0) < tiles:
             _cast_tile(X, Q, QT, SCALE, AMAX, S_OUT, SUMS, M, K, tl.program_id(0), tl.program_id(1),
                        FMAX, TRANSPOSE, COLUMN_SUMS, BM, BK)  # fmt: skip
         else:
-            _cast_tile(X2, Q2, QT2, SCALE + 1, AMAX + 1, S_OUT + 1, SUMS, M2, K, tl.program_id(0) - tiles,
+            _cast_tile(X2, Q2, QT2, SCALE + 1, AMAX + 1, S_OUT2, SUMS, M2, K, tl.program_id(0) - tiles,
                        tl.program_id(1), FMAX, TRANSPOSE, COLUMN_SUMS, BM, BK)  # fmt: skip
 
     _AMAX_BLOCK = 4096
@@ -156,7 +157,8 @@ if HAVE_TRITON:
         (m, k), m2 = x.shape, x2.shape[0] if len(xs) == 2 else 0
         qs = [torch.empty(t.shape, device=x.device, dtype=dtype) for t in xs]
         qts = [torch.empty((k, t.shape[0]) if transpose else (0,), device=x.device, dtype=dtype) for t in xs]
-        s = torch.empty((2,) if len(xs) == 2 else (), device=x.device, dtype=torch.float32)
+        # one 0-dim scale per operand: torch._scaled_mm takes no scale at an offset into a larger tensor
+        ss = [torch.empty((), device=x.device, dtype=torch.float32) for _ in xs]
         bm, bk, warps = _TILE
         partial = torch.empty((triton.cdiv(m, bm), k) if column_sums else (0,), device=x.device, dtype=torch.float32)
         n, n2 = m * k, m2 * k
@@ -174,7 +176,8 @@ if HAVE_TRITON:
             k,
             scale,
             amax,
-            s,
+            ss[0],
+            ss[-1],
             partial,
             FMAX=fmax,
             TRANSPOSE=transpose,
@@ -183,7 +186,7 @@ if HAVE_TRITON:
             BK=bk,
             num_warps=warps,
         )
-        return qs, qts, s, partial
+        return qs, qts, ss, partial
 
     @triton_op("flux_train::fp8_cast_transpose", mutates_args={"amax"})
     def _cast_transpose_triton(
@@ -197,16 +200,16 @@ if HAVE_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`dtype` the values' type (e4m3; the tests take fp32 values under the interpreter, whose e4m3
         conversion is not faithful), `fmax` the e4m3 format's largest value."""
-        (q,), (qt,), s, partial = _launch([x], scale, amax, dtype, fmax, transpose, column_sums)
+        (q,), (qt,), (s,), partial = _launch([x], scale, amax, dtype, fmax, transpose, column_sums)
         return q, qt, s, partial.sum(0) if column_sums else partial
 
     @triton_op("flux_train::fp8_cast_transpose_pair", mutates_args={"amax"})
     def _cast_transpose_pair_triton(
         x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, fmax: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The two operands of one GEMM (the same K) in one launch of each kernel: `scales`, `amax` [2]."""
-        (xq, wq), (xq_t, wq_t), s, _ = _launch([x, w], scales, amax, dtype, fmax, True, False)
-        return xq, xq_t, wq, wq_t, s
+        (xq, wq), (xq_t, wq_t), (xs, ws), _ = _launch([x, w], scales, amax, dtype, fmax, True, False)
+        return xq, xq_t, xs, wq, wq_t, ws
 
 
 def cast_transpose(
@@ -232,10 +235,10 @@ def cast_transpose(
 
 def cast_transpose_pair(
     x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, impl: str = "auto"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`cast_transpose` of a GEMM's two operands x [M,K] and w [N,K] in one launch per kernel (each launch costs
-    microseconds in a step of a few hundred): (xq, xq transposed, wq, wq transposed, the two scales used [2]);
-    `scales` and `amax` [2] hold x's and then w's."""
+    microseconds in a step of a few hundred): (xq, xq transposed, x's scale used, wq, wq transposed, w's scale
+    used); `scales` and `amax` [2] hold x's and then w's."""
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"cast_transpose_pair: x {tuple(x.shape)} and w {tuple(w.shape)} differ in K")
     if impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda):
@@ -246,4 +249,4 @@ def cast_transpose_pair(
         )
     xq, xq_t, xs, _ = cast_transpose_torch(x, scales[0], amax[0:1], dtype)
     wq, wq_t, ws, _ = cast_transpose_torch(w, scales[1], amax[1:2], dtype)
-    return xq, xq_t, wq, wq_t, torch.stack([xs, ws])
+    return xq, xq_t, xs, wq, wq_t, ws
