@@ -152,13 +152,17 @@ if HAVE_TRITON:
         return 4
 
     def _launch(xs: list[torch.Tensor], scale, amax, dtype, fmax: float, transpose: bool, column_sums: bool):
-        """The two kernels over one operand or two of the same K (`scale`, `amax`: one element per operand)."""
-        x, x2 = xs[0], xs[-1]
-        (m, k), m2 = x.shape, x2.shape[0] if len(xs) == 2 else 0
+        """The two kernels over one operand or two of the same K (`scale`, `amax`: one element per operand). A lone
+        operand's second one is empty tensors, never the first's again: a compiled graph gives each tensor a kernel
+        writes a copy of its own, and of two names for one tensor it may keep the copy the kernel did not write."""
+        (m, k), m2 = xs[0].shape, xs[1].shape[0] if len(xs) == 2 else 0
+        x, x2 = xs[0], xs[1] if m2 else xs[0].new_empty(0)
         qs = [torch.empty(t.shape, device=x.device, dtype=dtype) for t in xs]
         qts = [torch.empty((k, t.shape[0]) if transpose else (0,), device=x.device, dtype=dtype) for t in xs]
         # one 0-dim scale per operand: torch._scaled_mm takes no scale at an offset into a larger tensor
         ss = [torch.empty((), device=x.device, dtype=torch.float32) for _ in xs]
+        if not m2:
+            qs, qts, ss = qs + [qs[0].new_empty(0)], qts + [qts[0].new_empty(0)], ss + [ss[0].new_empty(0)]
         bm, bk, warps = _TILE
         partial = torch.empty((triton.cdiv(m, bm), k) if column_sums else (0,), device=x.device, dtype=torch.float32)
         n, n2 = m * k, m2 * k
@@ -170,14 +174,14 @@ if HAVE_TRITON:
             qts[0],
             m,
             x2,
-            qs[-1],
-            qts[-1],
+            qs[1],
+            qts[1],
             m2,
             k,
             scale,
             amax,
             ss[0],
-            ss[-1],
+            ss[1],
             partial,
             FMAX=fmax,
             TRANSPOSE=transpose,
@@ -186,7 +190,7 @@ if HAVE_TRITON:
             BK=bk,
             num_warps=warps,
         )
-        return qs, qts, ss, partial
+        return qs[: len(xs)], qts[: len(xs)], ss[: len(xs)], partial
 
     @triton_op("flux_train::fp8_cast_transpose", mutates_args={"amax"})
     def _cast_transpose_triton(
