@@ -54,13 +54,25 @@ def test_quantize_round_trip_within_e4m3_precision(dim, fp8):
 # ------------------------------------------------------------------------------------------ the cast kernel
 
 
+def no_counts():
+    """The cast's `arrivals` for current scaling by the amax kernel (kernels/fp8_cast.py)."""
+    return torch.empty(0, dtype=torch.int32, device=DEVICE)
+
+
+def counts(n=1):
+    """The cast's `arrivals` for delayed scaling: no amax kernel, the last program casts without a history."""
+    return torch.zeros(n, dtype=torch.int32, device=DEVICE)
+
+
 @pytest.mark.parametrize("shape", [(64, 128), (100, 200), (192, 48)])  # whole tiles, ragged edges, one column tile
 @pytest.mark.parametrize("history_scale", [0.0, 0.004])  # current scaling / a delayed scale (some values saturate)
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
-def test_cast_kernel_matches_its_torch_reference(shape, history_scale, fp8):
+@pytest.mark.parametrize("counted", [False, True])  # the amax kernel first / the last program to arrive casts
+def test_cast_kernel_matches_its_torch_reference(shape, history_scale, fp8, counted):
     """The Triton kernel scales, clamps, transposes, takes the amax and the column sums (a bias gradient) as the
-    torch reference does. Triton's interpreter does not convert to e4m3 faithfully (127.9 -> 64), so the kernel
-    writes its values in fp32 here, before the conversion; tests/test_gpu.py compares the e4m3 bits on a GPU."""
+    torch reference does, whichever way it takes the amax without a history (the count is back to zero after).
+    Triton's interpreter does not convert to e4m3 faithfully (127.9 -> 64), so the kernel writes its values in
+    fp32 here, before the conversion; tests/test_gpu.py compares the e4m3 bits on a GPU."""
     from flux_train.kernels.fp8_cast import _cast_transpose_triton
 
     g = torch.Generator().manual_seed(sum(shape))
@@ -70,9 +82,14 @@ def test_cast_kernel_matches_its_torch_reference(shape, history_scale, fp8):
     prior = torch.tensor([1.5])  # an earlier call's maximum (a previous micro-batch): kept if larger
     amax_k, amax_t = prior.to(DEVICE), prior.clone()
     fmax = torch.finfo(fp8).max
+    arrivals = counts() if counted else no_counts()
     q, qt, s, sums = (
-        t.cpu() for t in _cast_transpose_triton(x.to(DEVICE), scale.to(DEVICE), amax_k, torch.float32, fmax, True, True)
+        t.cpu()
+        for t in _cast_transpose_triton(
+            x.to(DEVICE), scale.to(DEVICE), amax_k, arrivals, torch.float32, fmax, True, True
+        )
     )
+    assert not arrivals.any()
     want_s = history_scale if history_scale else 11.0 / fmax
     assert s.item() == pytest.approx(want_s, rel=1e-7)
     assert amax_k.item() == 11.0
@@ -89,9 +106,10 @@ def test_cast_kernel_matches_its_torch_reference(shape, history_scale, fp8):
 
 
 @pytest.mark.parametrize("scales", [(0.0, 0.004), (0.003, 0.0), (0.0, 0.0)])  # current and delayed, either way round
-def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales):
-    """x and W of one GEMM cast in one launch per kernel (ragged tiles, more rows in either) give each operand the
-    values, both layouts, scale and amax that a launch of its own gives, and the torch path agrees."""
+@pytest.mark.parametrize("counted", [False, True])
+def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales, counted):
+    """x and W of one GEMM cast in one launch (ragged tiles, more rows in either) give each operand the values,
+    both layouts, scale and amax that a launch of its own gives, counted or not, and the torch path agrees."""
     from flux_train.kernels.fp8_cast import _cast_transpose_pair_triton, _cast_transpose_triton, cast_transpose_pair
 
     g = torch.Generator().manual_seed(1)
@@ -101,15 +119,17 @@ def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales):
         prior = torch.tensor([1.5, 20.0])  # an earlier call's maxima: x's raised, w's kept
         amax_pair = prior.to(DEVICE)
         scale_t = torch.tensor(scales)
+        arrivals = counts(2) if counted else no_counts()
         pair = _cast_transpose_pair_triton(
-            x.to(DEVICE), w.to(DEVICE), scale_t.to(DEVICE), amax_pair, torch.float32, 448.0
+            x.to(DEVICE), w.to(DEVICE), scale_t.to(DEVICE), amax_pair, arrivals, torch.float32, 448.0
         )
+        assert not arrivals.any()
         xq, xq_t, xs, wq, wq_t, ws = (t.cpu() for t in pair)
         singles = []
         for i, t in enumerate((x, w)):
             amax = prior[i : i + 1].to(DEVICE)
             q, qt, s, _ = _cast_transpose_triton(
-                t.to(DEVICE), scale_t[i].to(DEVICE), amax, torch.float32, 448.0, True, False
+                t.to(DEVICE), scale_t[i].to(DEVICE), amax, no_counts(), torch.float32, 448.0, True, False
             )
             singles.append((q.cpu(), qt.cpu(), s.cpu(), amax.cpu()))
         assert torch.equal(xq, singles[0][0]) and torch.equal(xq_t, singles[0][1])
@@ -133,6 +153,7 @@ def test_cast_kernel_keeps_nan_and_casts_zeros_to_zeros():
             x.to(DEVICE),
             torch.tensor(history, device=DEVICE),
             torch.zeros(1, device=DEVICE),
+            counts(),
             torch.float32,
             448.0,
             True,
@@ -389,5 +410,3 @@ def test_ddp_writes_fp8_weight_gradients_into_its_buckets_as_autograd_computes_t
         else:
             assert torch.equal(got[name], want), name
         assert want.abs().max() > 0, name
-
-

@@ -129,21 +129,31 @@ def test_fp8_cast_kernel_writes_torch_e4m3_bits():
     for shape in ((4096, 3072), (1000, 200)):
         x = (torch.randn(*shape, device="cuda", generator=g) * 3).bfloat16()
         for history in (0.0, 0.005):
-            scale, amax = torch.tensor(history, device="cuda"), torch.zeros(1, device="cuda")
-            q, qt, s, _ = cast_transpose(x, scale, amax, fp8)
-            fmax = torch.finfo(fp8).max
-            want = (x.float() * (1.0 / s)).clamp(-fmax, fmax).to(fp8)
-            assert amax.item() == x.float().abs().max().item()
-            assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), (shape, history)
-            assert torch.equal(qt.view(torch.uint8), want.t().contiguous().view(torch.uint8)), (shape, history)
-    # a GEMM's x and W in one launch: each operand's bits as its own launch writes them
+            for arrivals in (None, torch.zeros(1, dtype=torch.int32, device="cuda")):  # amax kernel / counted
+                scale, amax = torch.tensor(history, device="cuda"), torch.zeros(1, device="cuda")
+                q, qt, s, _ = cast_transpose(x, scale, amax, fp8, arrivals=arrivals)
+                fmax = torch.finfo(fp8).max
+                want = (x.float() * (1.0 / s)).clamp(-fmax, fmax).to(fp8)
+                where = (shape, history, arrivals is not None)
+                assert amax.item() == x.float().abs().max().item(), where
+                assert torch.equal(s, scale if history else (amax / fmax).reshape(())), where
+                assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), where
+                assert torch.equal(qt.view(torch.uint8), want.t().contiguous().view(torch.uint8)), where
+                assert arrivals is None or not arrivals.any()
+    # a GEMM's x and W in one launch, counted or not: each operand's bits as its own launch writes them (both without
+    # a history: each operand's programs count themselves in on their own count, interleaved on the GPU)
     x, w = (torch.randn(rows, 3072, device="cuda", generator=g).bfloat16() for rows in (4096, 9216))
-    scales, amax = torch.tensor([0.0, 0.0001], device="cuda"), torch.zeros(2, device="cuda")
-    pair = cast_transpose_pair(x, w, scales, amax, fp8)
-    for i, t in enumerate((x, w)):
-        q, qt, s, _ = cast_transpose(t, scales[i], torch.zeros(1, device="cuda"), fp8)
-        assert torch.equal(pair[3 * i].view(torch.uint8), q.view(torch.uint8)) and pair[3 * i + 2] == s
-        assert torch.equal(pair[3 * i + 1].view(torch.uint8), qt.view(torch.uint8))
+    for scales, arrivals in (
+        ([0.0, 0.0001], None),
+        ([0.0, 0.0], torch.zeros(2, dtype=torch.int32, device="cuda")),
+        ([0.0002, 0.0], torch.zeros(2, dtype=torch.int32, device="cuda")),
+    ):
+        scales, amax = torch.tensor(scales, device="cuda"), torch.zeros(2, device="cuda")
+        pair = cast_transpose_pair(x, w, scales, amax, fp8, arrivals=arrivals)
+        for i, t in enumerate((x, w)):
+            q, qt, s, _ = cast_transpose(t, scales[i], torch.zeros(1, device="cuda"), fp8)
+            assert torch.equal(pair[3 * i].view(torch.uint8), q.view(torch.uint8)) and pair[3 * i + 2] == s
+            assert torch.equal(pair[3 * i + 1].view(torch.uint8), qt.view(torch.uint8))
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "delayed"])

@@ -118,16 +118,18 @@ def scaled_mm_into(
 class _TensorwiseLinear(torch.autograd.Function):
     """x2 @ weight^T + bias with one scale per tensor. `scales` [3] (x, w, dY; 0 = current scaling) are read,
     `amax` [2] (x, w) and `amax_grad` [1] (dY) raised to this call's maxima; the weight gradient is written
-    into `sink` where one is given."""
+    into `sink` where one is given. `arrivals` [2] and `arrivals_grad` [1] (or None) are the casts' counts
+    (kernels/fp8_cast.py)."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, scales, amax, amax_grad, dtype, sink):
-        xq, xq_t, xs, wq, wq_t, ws = cast_transpose_pair(x2, weight, scales[0:2], amax, dtype)
+    def forward(ctx, x2, weight, bias, scales, amax, amax_grad, arrivals, arrivals_grad, dtype, sink):
+        xq, xq_t, xs, wq, wq_t, ws = cast_transpose_pair(x2, weight, scales[0:2], amax, dtype, arrivals=arrivals)
         ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         # the backward's operands in the layouts it needs, in e4m3: half the bytes of the bf16 ones
         ctx.save_for_backward(xq_t, xs, wq_t, ws, scales, amax_grad)
         ctx.sink = sink  # not saved: every write into its bucket bumps the version counter the views share
+        ctx.arrivals_grad = arrivals_grad  # not saved either: a counter, zero between calls
         return scaled_mm(xq, xs, wq.t(), ws, bias, fast_accum=True)
 
     @staticmethod
@@ -136,7 +138,9 @@ class _TensorwiseLinear(torch.autograd.Function):
         sink = ctx.sink
         with_bias = ctx.bias_dtype is not None
         # the bias gradient (dY's column sums) comes from the same read of dY as its casts
-        dyq, dyq_t, dys, dbias = cast_transpose(dy.contiguous(), scales[2], amax_grad, ctx.dtype, column_sums=with_bias)
+        dyq, dyq_t, dys, dbias = cast_transpose(
+            dy.contiguous(), scales[2], amax_grad, ctx.dtype, column_sums=with_bias, arrivals=ctx.arrivals_grad
+        )
         dx = scaled_mm(dyq, dys, wq_t.t(), ws)  # dX = dY @ W, W as [N,K] column-major
         # dW = dY^T @ X, X as [M,K] column-major
         if sink is None:
@@ -144,7 +148,7 @@ class _TensorwiseLinear(torch.autograd.Function):
         else:  # a new view (also in a compiled graph), held by autograd alone, becomes the .grad as it is
             scaled_mm_into(dyq_t, dys, xq_t.t(), xs, sink)
             dw = sink.view(dyq_t.shape[0], xq_t.shape[0])
-        return dx, dw, dbias.to(ctx.bias_dtype) if with_bias else None, None, None, None, None, None
+        return dx, dw, dbias.to(ctx.bias_dtype) if with_bias else None, None, None, None, None, None, None, None
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -183,6 +187,8 @@ class FP8Linear(nn.Linear):
     fp8_amax: torch.Tensor
     fp8_amax_grad: torch.Tensor
     fp8_history: torch.Tensor
+    fp8_arrivals: torch.Tensor
+    fp8_arrivals_grad: torch.Tensor
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name for it
         x = input
@@ -199,7 +205,11 @@ class FP8Linear(nn.Linear):
         amax = self.fp8_amax if record else torch.zeros(2, device=x.device)
         amax_grad = self.fp8_amax_grad if record else torch.zeros(1, device=x.device)
         sink = self.wgrad_sink if self.weight.dtype == x.dtype else None  # the gradient is the parameter's own
-        y = _TensorwiseLinear.apply(x2, weight, self.bias, self.fp8_scale, amax, amax_grad, self.fp8_dtype, sink)
+        # delayed: the casts go without an amax kernel (a history is there on all but a few steps)
+        counts = (self.fp8_arrivals, self.fp8_arrivals_grad) if self.recipe == "delayed" else (None, None)
+        y = _TensorwiseLinear.apply(
+            x2, weight, self.bias, self.fp8_scale, amax, amax_grad, *counts, self.fp8_dtype, sink
+        )
         return y.reshape(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
@@ -242,6 +252,8 @@ class FP8Scaling:
             m.register_buffer("fp8_amax", torch.zeros(2, device=device), persistent=False)
             m.register_buffer("fp8_amax_grad", torch.zeros(1, device=device), persistent=False)
             m.register_buffer("fp8_history", torch.zeros(3, m.history, device=device), persistent=False)
+            m.register_buffer("fp8_arrivals", torch.zeros(2, dtype=torch.int32, device=device), persistent=False)
+            m.register_buffer("fp8_arrivals_grad", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         delayed = [m for m in layers if m.recipe == "delayed"]
         return cls(delayed, margin, device) if delayed else None
 

@@ -6,12 +6,18 @@ element, the floor for an operand both layouts of which are used), and folds |x|
 an atomic max, so the amax of the next step's scale costs no pass of its own.
 
 `scale` is the dequantisation scale s (x ~= q * s) from an amax history (delayed scaling, 0-dim fp32 device
-tensor). Where it is 0 (no history yet: the first step, or a recipe without one) a first kernel takes the
-tensor's amax (one more 2-byte read) and the cast uses amax / max(e4m3): current scaling, decided on the GPU,
-so the same captured graph serves both. Returns (q, q transposed or an empty tensor, the scale used, and with
-`column_sums` x's fp32 sums over its rows: a bias gradient when x is the output gradient, at no extra read).
-`cast_transpose_pair` casts a GEMM's two forward operands (x and W, the same K) in one launch of each kernel:
-inside a captured step the launches, not the bytes, are what the small casts cost.
+tensor). Where it is 0 (no history yet: the first step, or a recipe without one) the cast uses amax / max(e4m3):
+current scaling, decided on the GPU, so the same captured graph serves both. Its amax comes one of two ways:
+- without `arrivals` (current scaling every step: the tensorwise recipe) a first kernel takes it (one more
+  2-byte read); with a history its programs end at once, yet the launch still costs a few microseconds;
+- with `arrivals` (an int32 zero per operand, delayed scaling) there is no first kernel. Without a history each
+  program only folds its tile into `amax` and counts itself in; the last to arrive then casts the whole tensor
+  alone. That is slow (one SM), but only on the steps without a history: the first, and a gradient's first
+  non-zero one (the gates are zero at init).
+Returns (q, q transposed or an empty tensor, the scale used, and with `column_sums` x's fp32 sums over its rows:
+a bias gradient when x is the output gradient, at no extra read). `cast_transpose_pair` casts a GEMM's two
+forward operands (x and W, the same K) in one launch: inside a captured step the launches, not the bytes, are
+what the small casts cost.
 
 The Triton path is a `torch.library.triton_op`: torch.compile calls the kernels as they are (Inductor does not
 re-trace them) and CUDA graphs capture them. `cast_transpose_torch` is the same in torch ops: the CPU path
@@ -65,34 +71,19 @@ if HAVE_TRITON:
             _amax_of(X2, SCALE + 1, AMAX + 1, n2, BLOCK)
 
     @triton.jit
-    def _cast_tile(
-        X,
-        Q,
-        QT,
-        SCALE,
-        AMAX,
-        S_OUT,
-        SUMS,
-        M,
-        K,
-        tile_m,
-        tile_k,
-        FMAX: tl.constexpr,
-        TRANSPOSE: tl.constexpr,
-        COLUMN_SUMS: tl.constexpr,
-        BM: tl.constexpr,
-        BK: tl.constexpr,
-    ):
-        row0, col0 = tile_m * BM, tile_k * BK
+    def _load_tile(X, M, K, row0, col0, BM: tl.constexpr, BK: tl.constexpr):
         rm, rk = tl.arange(0, BM), tl.arange(0, BK)
         mask = (row0 + rm[:, None] < M) & (col0 + rk[None, :] < K)
         # 64-bit offset of the tile, 32-bit offsets within it (keeps the contiguity Triton coalesces by)
         x = tl.load(X + (row0.to(tl.int64) * K + col0) + (rm[:, None] * K + rk[None, :]), mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        hist = tl.load(SCALE)
-        # with no history AMAX already holds this tensor's amax (the kernel above), and the atomic maxes
-        # below cannot raise it: every program reads the same value
-        s = tl.where(hist > 0, hist, tl.div_rn(tl.maximum(tl.load(AMAX), 1e-12), FMAX))
+        return x.to(tl.float32), mask
+
+    @triton.jit
+    def _store_tile(
+        Q, QT, M, K, row0, col0, x, mask, s, FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr,
+        BK: tl.constexpr,
+    ):  # fmt: skip
+        rm, rk = tl.arange(0, BM), tl.arange(0, BK)
         inv = tl.div_rn(1.0, s)
         # NaN stays NaN (a diverging run must show it), large values saturate
         y = tl.clamp(x * inv, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
@@ -102,11 +93,67 @@ if HAVE_TRITON:
             # the same registers at the transposed addresses: Triton stages the tile through shared memory so
             # that both stores are coalesced
             tl.store(QT + (col0.to(tl.int64) * M + row0) + (rk[None, :] * M + rm[:, None]), q, mask=mask)
-        tl.atomic_max(AMAX, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-        if COLUMN_SUMS:  # this tile's column sums, one row of partials per row tile (summed in a fixed order after)
-            tl.store(SUMS + tile_m * K + col0 + rk, tl.sum(x, axis=0), mask=col0 + rk < K)
+
+    @triton.jit
+    def _cast_own_tile(
+        Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, s, FMAX: tl.constexpr,
+        TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        _store_tile(Q, QT, M, K, tile_m * BM, tile_k * BK, x, mask, s, FMAX, TRANSPOSE, BM, BK)
+        tl.atomic_max(AMAX, tile_amax)
         if (tile_m == 0) & (tile_k == 0):
             tl.store(S_OUT, s)
+
+    @triton.jit
+    def _cast_tile(
+        X,
+        Q,
+        QT,
+        SCALE,
+        AMAX,
+        ARRIVALS,
+        S_OUT,
+        SUMS,
+        M,
+        K,
+        tile_m,
+        tile_k,
+        FMAX: tl.constexpr,
+        TRANSPOSE: tl.constexpr,
+        COLUMN_SUMS: tl.constexpr,
+        COUNTED: tl.constexpr,
+        BM: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        row0, col0 = tile_m * BM, tile_k * BK
+        x, mask = _load_tile(X, M, K, row0, col0, BM, BK)
+        tile_amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        if COLUMN_SUMS:  # this tile's column sums, one row of partials per row tile (summed in a fixed order after)
+            rk = tl.arange(0, BK)
+            tl.store(SUMS + tile_m * K + col0 + rk, tl.sum(x, axis=0), mask=col0 + rk < K)
+        hist = tl.load(SCALE)
+        if COUNTED:
+            if hist > 0:
+                _cast_own_tile(Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, hist, FMAX, TRANSPOSE,
+                               BM, BK)  # fmt: skip
+            else:  # no history: the last program to arrive casts the whole tensor
+                tl.atomic_max(AMAX, tile_amax)
+                tiles_k = tl.cdiv(K, BK)
+                tiles = tl.cdiv(M, BM) * tiles_k
+                # acq_rel: every other program's maximum is in AMAX once the count says it arrived
+                if tl.atomic_add(ARRIVALS, 1) == tiles - 1:
+                    s = tl.div_rn(tl.maximum(tl.atomic_add(AMAX, 0.0), 1e-12), FMAX)  # read where the atomics went
+                    for t in range(0, tiles):
+                        r0, c0 = (t // tiles_k) * BM, (t % tiles_k) * BK
+                        xt, mt = _load_tile(X, M, K, r0, c0, BM, BK)
+                        _store_tile(Q, QT, M, K, r0, c0, xt, mt, s, FMAX, TRANSPOSE, BM, BK)
+                    tl.store(S_OUT, s)
+                    tl.store(ARRIVALS, 0)  # ready for the next call
+        else:
+            # without a history AMAX already holds this tensor's amax (the first kernel), and the atomic maxes
+            # cannot raise it: every program reads the same value
+            s = tl.where(hist > 0, hist, tl.div_rn(tl.maximum(tl.load(AMAX), 1e-12), FMAX))
+            _cast_own_tile(Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, s, FMAX, TRANSPOSE, BM, BK)
 
     @triton.jit
     def _cast_transpose_kernel(
@@ -121,24 +168,26 @@ if HAVE_TRITON:
         K,
         SCALE,
         AMAX,
+        ARRIVALS,
         S_OUT,
         S_OUT2,
         SUMS,
         FMAX: tl.constexpr,
         TRANSPOSE: tl.constexpr,
         COLUMN_SUMS: tl.constexpr,
+        COUNTED: tl.constexpr,
         BM: tl.constexpr,
         BK: tl.constexpr,
     ):
-        # the row tiles of X, then those of X2 (M2 rows, 0: none; its scale and amax follow X's, the scale it used
-        # goes to S_OUT2; column sums only for a lone X)
+        # the row tiles of X, then those of X2 (M2 rows, 0: none; its scale, amax and count follow X's, the scale
+        # it used goes to S_OUT2; column sums only for a lone X)
         tiles = tl.cdiv(M, BM)
         if tl.program_id(0) < tiles:
-            _cast_tile(X, Q, QT, SCALE, AMAX, S_OUT, SUMS, M, K, tl.program_id(0), tl.program_id(1),
-                       FMAX, TRANSPOSE, COLUMN_SUMS, BM, BK)  # fmt: skip
+            _cast_tile(X, Q, QT, SCALE, AMAX, ARRIVALS, S_OUT, SUMS, M, K, tl.program_id(0), tl.program_id(1),
+                       FMAX, TRANSPOSE, COLUMN_SUMS, COUNTED, BM, BK)  # fmt: skip
         else:
-            _cast_tile(X2, Q2, QT2, SCALE + 1, AMAX + 1, S_OUT2, SUMS, M2, K, tl.program_id(0) - tiles,
-                       tl.program_id(1), FMAX, TRANSPOSE, COLUMN_SUMS, BM, BK)  # fmt: skip
+            _cast_tile(X2, Q2, QT2, SCALE + 1, AMAX + 1, ARRIVALS + 1, S_OUT2, SUMS, M2, K, tl.program_id(0) - tiles,
+                       tl.program_id(1), FMAX, TRANSPOSE, COLUMN_SUMS, COUNTED, BM, BK)  # fmt: skip
 
     _AMAX_BLOCK = 4096
     # rows x columns of x (256-byte loads, 128- and 64-byte stores per row/column), warps: measured on an H200
@@ -151,10 +200,11 @@ if HAVE_TRITON:
             return 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
         return 4
 
-    def _launch(xs: list[torch.Tensor], scale, amax, dtype, fmax: float, transpose: bool, column_sums: bool):
-        """The two kernels over one operand or two of the same K (`scale`, `amax`: one element per operand). A lone
-        operand's second one is empty tensors, never the first's again: a compiled graph gives each tensor a kernel
-        writes a copy of its own, and of two names for one tensor it may keep the copy the kernel did not write."""
+    def _launch(xs: list[torch.Tensor], scale, amax, arrivals, dtype, fmax: float, transpose: bool, column_sums: bool):
+        """The kernels over one operand or two of the same K (`scale`, `amax`, `arrivals`: one element per operand;
+        `arrivals` empty: the amax kernel first). A lone operand's second one is empty tensors, never the first's
+        again: a compiled graph gives each tensor a kernel writes a copy of its own, and of two names for one tensor
+        it may keep the copy the kernel did not write."""
         (m, k), m2 = xs[0].shape, xs[1].shape[0] if len(xs) == 2 else 0
         x, x2 = xs[0], xs[1] if m2 else xs[0].new_empty(0)
         qs = [torch.empty(t.shape, device=x.device, dtype=dtype) for t in xs]
@@ -166,8 +216,10 @@ if HAVE_TRITON:
         bm, bk, warps = _TILE
         partial = torch.empty((triton.cdiv(m, bm), k) if column_sums else (0,), device=x.device, dtype=torch.float32)
         n, n2 = m * k, m2 * k
-        programs = max(1, min(_amax_programs(x), triton.cdiv(max(n, n2), _AMAX_BLOCK)))
-        wrap_triton(_amax_kernel)[(programs,)](x, x2, scale, amax, n, n2, BLOCK=_AMAX_BLOCK)
+        counted = arrivals.numel() > 0
+        if not counted:
+            programs = max(1, min(_amax_programs(x), triton.cdiv(max(n, n2), _AMAX_BLOCK)))
+            wrap_triton(_amax_kernel)[(programs,)](x, x2, scale, amax, n, n2, BLOCK=_AMAX_BLOCK)
         wrap_triton(_cast_transpose_kernel)[(triton.cdiv(m, bm) + triton.cdiv(m2, bm), triton.cdiv(k, bk))](
             x,
             qs[0],
@@ -180,23 +232,26 @@ if HAVE_TRITON:
             k,
             scale,
             amax,
+            arrivals,
             ss[0],
             ss[1],
             partial,
             FMAX=fmax,
             TRANSPOSE=transpose,
             COLUMN_SUMS=column_sums,
+            COUNTED=counted,
             BM=bm,
             BK=bk,
             num_warps=warps,
         )
         return qs[: len(xs)], qts[: len(xs)], ss[: len(xs)], partial
 
-    @triton_op("flux_train::fp8_cast_transpose", mutates_args={"amax"})
+    @triton_op("flux_train::fp8_cast_transpose", mutates_args={"amax", "arrivals"})
     def _cast_transpose_triton(
         x: torch.Tensor,
         scale: torch.Tensor,
         amax: torch.Tensor,
+        arrivals: torch.Tensor,
         dtype: torch.dtype,
         fmax: float,
         transpose: bool,
@@ -204,15 +259,21 @@ if HAVE_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`dtype` the values' type (e4m3; the tests take fp32 values under the interpreter, whose e4m3
         conversion is not faithful), `fmax` the e4m3 format's largest value."""
-        (q,), (qt,), (s,), partial = _launch([x], scale, amax, dtype, fmax, transpose, column_sums)
+        (q,), (qt,), (s,), partial = _launch([x], scale, amax, arrivals, dtype, fmax, transpose, column_sums)
         return q, qt, s, partial.sum(0) if column_sums else partial
 
-    @triton_op("flux_train::fp8_cast_transpose_pair", mutates_args={"amax"})
+    @triton_op("flux_train::fp8_cast_transpose_pair", mutates_args={"amax", "arrivals"})
     def _cast_transpose_pair_triton(
-        x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, fmax: float
+        x: torch.Tensor,
+        w: torch.Tensor,
+        scales: torch.Tensor,
+        amax: torch.Tensor,
+        arrivals: torch.Tensor,
+        dtype: torch.dtype,
+        fmax: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The two operands of one GEMM (the same K) in one launch of each kernel: `scales`, `amax` [2]."""
-        (xq, wq), (xq_t, wq_t), (xs, ws), _ = _launch([x, w], scales, amax, dtype, fmax, True, False)
+        """The two operands of one GEMM (the same K) in one launch: `scales`, `amax` [2], `arrivals` [2] or empty."""
+        (xq, wq), (xq_t, wq_t), (xs, ws), _ = _launch([x, w], scales, amax, arrivals, dtype, fmax, True, False)
         return xq, xq_t, xs, wq, wq_t, ws
 
 
@@ -224,32 +285,42 @@ def cast_transpose(
     transpose: bool = True,
     column_sums: bool = False,
     impl: str = "auto",
+    arrivals: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(e4m3 x, e4m3 x transposed (row-major; empty unless `transpose`), the scale used, x's fp32 column sums
     (empty unless `column_sums`)) for a 2-D x; `amax` (1-element fp32) is raised to |x|'s maximum. `impl`: auto
-    (Triton on a GPU, torch elsewhere), triton (also on the CPU under Triton's interpreter: the tests), torch."""
+    (Triton on a GPU, torch elsewhere), triton (also on the CPU under Triton's interpreter: the tests), torch.
+    `arrivals`: a 1-element int32 zero that stays with this operand (see above; None: the amax kernel)."""
     use_triton = impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda)
     if use_triton:
         if not kernels_run_on(x.device):
             raise RuntimeError("the Triton FP8 cast needs a GPU (or Triton's interpreter on the CPU)")
         fmax = torch.finfo(dtype).max
-        return _cast_transpose_triton(x.contiguous(), scale, amax, dtype, fmax, transpose, column_sums)
+        arrivals = amax.new_empty(0, dtype=torch.int32) if arrivals is None else arrivals
+        return _cast_transpose_triton(x.contiguous(), scale, amax, arrivals, dtype, fmax, transpose, column_sums)
     return cast_transpose_torch(x, scale, amax, dtype, transpose, column_sums)
 
 
 def cast_transpose_pair(
-    x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, impl: str = "auto"
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scales: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    impl: str = "auto",
+    arrivals: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`cast_transpose` of a GEMM's two operands x [M,K] and w [N,K] in one launch per kernel (each launch costs
+    """`cast_transpose` of a GEMM's two operands x [M,K] and w [N,K] in one launch (each launch costs
     microseconds in a step of a few hundred): (xq, xq transposed, x's scale used, wq, wq transposed, w's scale
-    used); `scales` and `amax` [2] hold x's and then w's."""
+    used); `scales`, `amax` and `arrivals` (or None) [2] hold x's and then w's."""
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"cast_transpose_pair: x {tuple(x.shape)} and w {tuple(w.shape)} differ in K")
     if impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda):
         if not kernels_run_on(x.device):
             raise RuntimeError("the Triton FP8 cast needs a GPU (or Triton's interpreter on the CPU)")
+        arrivals = amax.new_empty(0, dtype=torch.int32) if arrivals is None else arrivals
         return _cast_transpose_pair_triton(
-            x.contiguous(), w.contiguous(), scales.contiguous(), amax, dtype, torch.finfo(dtype).max
+            x.contiguous(), w.contiguous(), scales.contiguous(), amax, arrivals, dtype, torch.finfo(dtype).max
         )
     xq, xq_t, xs, _ = cast_transpose_torch(x, scales[0], amax[0:1], dtype)
     wq, wq_t, ws, _ = cast_transpose_torch(w, scales[1], amax[1:2], dtype)

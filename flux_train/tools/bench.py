@@ -284,7 +284,12 @@ def run_casts(cfg: Config, args, row: str) -> dict:
         x = torch.randn(m, k, device="cuda").bfloat16()
         scale = torch.full((), 1e-2 if delayed else 0.0, device="cuda")
         amax = torch.zeros(1, device="cuda")
-        seconds = cuda_seconds(lambda x=x, scale=scale, amax=amax: cast_transpose(x, scale, amax, fp8))
+        arrivals = torch.zeros(1, dtype=torch.int32, device="cuda") if delayed else None  # as FP8Linear casts
+        seconds = cuda_seconds(
+            lambda x=x, scale=scale, amax=amax, arrivals=arrivals: cast_transpose(
+                x, scale, amax, fp8, arrivals=arrivals
+            )
+        )
         moved = (4 if delayed else 6) * m * k
         per_shape.append([m, k, count, round(seconds * 1e6, 1), round(moved / seconds / 1e9)])
         total += seconds * count
