@@ -6,7 +6,8 @@ Recipes (`perf.fp8`):
   (flux_train.kernels.fp8_cast) writes it in both layouts the tensor cores take and folds its amax into this
   step's maximum; after each optimizer step `FP8Scaling.update` turns every layer's maxima into the next
   step's scales in a few batched kernels, on the GPU (no host sync, so it runs inside a captured step). The
-  first step, before any history, scales from the current amax.
+  first step, before any history, scales from the current amax, without a kernel of its own for it: the cast
+  counts its programs in (`fp8_arrivals`), and the last to arrive casts the tensor alone (slow, those steps only).
 - "tensorwise": the same kernels with current scaling (one more read of each operand, for its amax).
 - "rowwise": one scale per row of each GEMM operand along its contraction dim (x per token, W per output
   channel in forward; dY per token and W per input channel for dX; dY and X per column for dW), the recipe
