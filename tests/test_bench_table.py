@@ -41,7 +41,8 @@ STEP = {
 
 def test_table_gives_ratios_efficiency_and_top_kernels(tmp_path, capsys):
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps(r) + "\n" for r in (STOCK, OURS_FP8, STEP)))
+    delayed = STEP | {"precision": "fp8 delayed", "fp8_startup": {"steps": 4, "extra_s": 1.73}}
+    rows.write_text("".join(json.dumps(r) + "\n" for r in (STOCK, OURS_FP8, STEP, delayed)))
     assert bench.main(["--table", str(rows)]) == 0
     out = capsys.readouterr().out
     fp8_line = next(line for line in out.splitlines() if line.startswith("fwdbwd ours-fp8-tensorwise"))
@@ -49,6 +50,7 @@ def test_table_gives_ratios_efficiency_and_top_kernels(tmp_path, capsys):
     step = next(line for line in out.splitlines() if line.startswith("step")).split()
     # no stock step row: no ratio claimed; step efficiency = 26.0 step / 32.5 fwdbwd of the same precision, batch
     assert step[-3:] == ["-", "0.80", "-"]
+    assert "FP8 start-up: 4 steps until every operand had an amax history, 1.73 s beyond" in out
     assert next(line for line in out.splitlines() if line.startswith("fp8 casts")).split() == ["fp8", "casts", "48.0"]
     kernels = out.split("top kernels, ours-fp8-tensorwise fp8 tensorwise:")[1].splitlines()[1:3]
     assert [k.split() for k in kernels] == [

@@ -211,6 +211,20 @@ def test_delayed_scales_come_from_the_amax_history():
     assert first.fp8_scale[2].item() > 0  # dY's scale, from the backward's maxima
 
 
+def test_operands_without_history_are_counted_until_a_maximum_enters_and_again_once_it_leaves():
+    """What the bench's step rows wait on before timing: an operand whose history holds only zeros (no step yet,
+    or a gradient held at zero, as behind the zero-initialised gates) is cast alone from its current maximum."""
+    model, scaling = fp8_layers(history=3)
+    assert scaling.without_history() == 6  # 2 layers x (x, w, dY)
+    train_step(model, scaling, 1.0, dy_scale=0.0)
+    assert scaling.without_history() == 2  # the output gradients were zero
+    train_step(model, scaling, 1.0)
+    assert scaling.without_history() == 0
+    for _ in range(3):
+        train_step(model, scaling, 1.0, dy_scale=0.0)
+    assert scaling.without_history() == 2  # the last non-zero gradient has left the 3-step window
+
+
 def test_margin_and_overflow_count():
     model, scaling = fp8_layers(history=2, margin=1)
     train_step(model, scaling, 1.0)

@@ -273,6 +273,11 @@ class FP8Scaling:
         torch._foreach_copy_(self.scales, list(self._scales(history).unbind(0)))
         torch._foreach_zero_(self.maxima)
 
+    def without_history(self) -> int:
+        """How many (layer, operand) pairs have no maximum in their history yet (scale 0): each is cast from its
+        current maximum, by one program (kernels/fp8_cast.py), until it has one. Reads the device (a sync)."""
+        return int((torch.stack(self.scales) == 0).sum())
+
     def _scales(self, history: torch.Tensor) -> torch.Tensor:
         return history.amax(-1) * 2.0**self.margin / self.fmax
 

@@ -322,16 +322,15 @@ def run_step(cfg: Config, args, row: str) -> dict:
         seconds, warm, profile = stock_fsdp_step(cfg, args)
         base |= {"precision": "bf16", "label": "stock diffusers + FSDP2 (per-block compile, fused AdamW)"}
     else:
-        seconds, warm, profile, eval_rate, graphs = trainer_step(cfg, args)
+        seconds, warm, profile, measured = trainer_step(cfg, args)
         base |= {
             "precision": precision_of("ours", cfg),
             **({"fp8_impl": cfg.perf.fp8_impl} if cfg.perf.fp8 != "none" else {}),
             "strategy": cfg.parallel.strategy,
-            "graphs": graphs,
-            "eval_samples_s_per_gpu": eval_rate,
+            **measured,
             "label": (
                 f"ours {cfg.parallel.strategy}"
-                + (" + graphs" if graphs else "")
+                + (" + graphs" if measured["graphs"] else "")
                 + (f", accumulation {args.accum}" if args.accum > 1 else "")
             ),
         }
@@ -365,15 +364,20 @@ def trainer_overrides(cfg: Config, args) -> list[str]:
     ]
 
 
-def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, float, bool]:
-    """(seconds per step, warm-up seconds, profile, eval samples/s per GPU, whether the step ran as a CUDA graph)."""
+def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, dict]:
+    """(seconds per step, warm-up seconds, profile, the row's other figures: eval samples/s per GPU, whether the
+    step ran as a CUDA graph, and with FP8 delayed scaling its start-up)."""
     from flux_train.tools.sample import Sampler
     from flux_train.training.train import Trainer
 
     trainer = Trainer(load_config(args.config, args.overrides + trainer_overrides(cfg, args)), Sampler.for_run)
     torch.cuda.reset_peak_memory_stats()
     trainer.warm_up(max(trainer.cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
+    settle_steps, settle_s = settle_fp8(trainer)
     seconds, warm = timed(trainer.train_step, args.steps)
+    measured: dict = {"graphs": trainer.graphed is not None}
+    if trainer.fp8 is not None:  # what the steps before every history was full took beyond steady steps
+        measured["fp8_startup"] = {"steps": settle_steps, "extra_s": round(settle_s - settle_steps * seconds, 2)}
     profile = profile_breakdown(trainer.train_step) if args.profile else None
     trainer.evaluator.loss(0)  # warm: eval shapes compile once
     torch.cuda.synchronize()
@@ -382,9 +386,21 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, float, 
     eval_rate = count / (time.perf_counter() - e0) / dist.get_world_size()
     if args.checkpoint:
         print("CHECKPOINT " + json.dumps(checkpoint_timings(trainer, args, seconds)), flush=True)
-    graphed = trainer.graphed is not None
+    measured["eval_samples_s_per_gpu"] = round(eval_rate, 1)
     trainer.close()  # its graph before the process group (Trainer.close)
-    return seconds, warm, profile, round(eval_rate, 1), graphed
+    return seconds, warm, profile, measured
+
+
+def settle_fp8(trainer, limit: int = 20) -> tuple[int, float]:
+    """(steps, seconds): training steps until every delayed FP8 operand has a maximum in its history, so that the
+    timed steps are steady ones. Until then an operand is cast by one program alone (kernels/fp8_cast.py): a
+    start-up cost of the first steps of a run (and of each gradient the zero-initialised gates hold at zero)."""
+    steps, t0 = 0, time.perf_counter()
+    while trainer.fp8 is not None and trainer.fp8.without_history() and steps < limit:
+        trainer.train_step()
+        steps += 1
+    torch.cuda.synchronize()
+    return steps, time.perf_counter() - t0
 
 
 def checkpoint_timings(trainer, args, step_seconds: float) -> dict:

@@ -126,6 +126,12 @@ def print_table(rows: list[dict]) -> None:
             f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['samples_s_per_gpu']:13.2f} {mfu:6.1f} "
             f"{r['peak_gib']:8.1f} {ratio:>8s} {eff:>8s} {r.get('eval_samples_s_per_gpu', '-'):>10}"
         )
+        if "fp8_startup" in r:  # run before the timed steps, which are the steady ones (bench.settle_fp8)
+            startup = r["fp8_startup"]
+            print(
+                f"       FP8 start-up: {startup['steps']} steps until every operand had an amax history, "
+                f"{startup['extra_s']} s beyond as many steady steps"
+            )
     for r in casts:
         print(
             f"\nFP8 casts alone, {r['row']}, batch {r['batch']}: {r['ms']} ms per forward+backward, byte floor "
