@@ -12,7 +12,8 @@ and ablations `ours-no-graphs`, `ours-no-compile`, `ours-torch-rmsnorm`.
 Rows: `stock` (diffusers + FSDP2 per block, per-block compile, fused AdamW, clipping: what a user would
 assemble) and `ours` (our Trainer's own step with the config as given: strategy, FP8, graphs, `--accum`);
 `--profile` adds where the step's GPU time goes; the row also carries the eval rate (the trainer's evaluate
-path, val samples/s per GPU).
+path, val samples/s per GPU). Timed steps are steady ones: with FP8 delayed scaling, the steps until every amax
+history holds a maximum run first and are reported apart (`fp8_startup`).
 
 Every row is one JSON line appended to `--json`; `--table FILE` prints them all: samples/s per GPU, TFLOP/s,
 MFU against the bf16 matmul ceiling measured in the same process, peak memory, the ratio to the stock row of
