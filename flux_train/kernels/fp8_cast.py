@@ -206,14 +206,13 @@ if HAVE_TRITON:
         `arrivals` empty: the amax kernel first). A lone operand's second one is empty tensors, never the first's
         again: a compiled graph gives each tensor a kernel writes a copy of its own, and of two names for one tensor
         it may keep the copy the kernel did not write."""
-        (m, k), m2 = xs[0].shape, xs[1].shape[0] if len(xs) == 2 else 0
-        x, x2 = xs[0], xs[1] if m2 else xs[0].new_empty(0)
-        qs = [torch.empty(t.shape, device=x.device, dtype=dtype) for t in xs]
-        qts = [torch.empty((k, t.shape[0]) if transpose else (0,), device=x.device, dtype=dtype) for t in xs]
+        x, k = xs[0], xs[0].shape[1]
+        x2 = xs[1] if len(xs) == 2 else x.new_empty(0, k)  # no rows: the kernel takes no tile of it
+        (m, _), (m2, _) = x.shape, x2.shape
+        qs = [torch.empty(t.shape, device=x.device, dtype=dtype) for t in (x, x2)]
+        qts = [torch.empty((k, t.shape[0]) if transpose else (0,), device=x.device, dtype=dtype) for t in (x, x2)]
         # one 0-dim scale per operand: torch._scaled_mm takes no scale at an offset into a larger tensor
-        ss = [torch.empty((), device=x.device, dtype=torch.float32) for _ in xs]
-        if not m2:
-            qs, qts, ss = qs + [qs[0].new_empty(0)], qts + [qts[0].new_empty(0)], ss + [ss[0].new_empty(0)]
+        ss = [torch.empty((), device=x.device, dtype=torch.float32) for _ in (x, x2)]
         bm, bk, warps = _TILE
         partial = torch.empty((triton.cdiv(m, bm), k) if column_sums else (0,), device=x.device, dtype=torch.float32)
         n, n2 = m * k, m2 * k
@@ -278,6 +277,16 @@ if HAVE_TRITON:
         return xq, xq_t, xs, wq, wq_t, ws
 
 
+def _triton_counts(x: torch.Tensor, amax: torch.Tensor, impl: str, arrivals: torch.Tensor | None):
+    """None where the torch path casts (`impl`: see cast_transpose), else the counts the Triton op takes (empty for
+    None: the amax kernel)."""
+    if not (impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda)):
+        return None
+    if not kernels_run_on(x.device):
+        raise RuntimeError("the Triton FP8 cast needs a GPU (or Triton's interpreter on the CPU)")
+    return amax.new_empty(0, dtype=torch.int32) if arrivals is None else arrivals
+
+
 def cast_transpose(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -292,13 +301,10 @@ def cast_transpose(
     (empty unless `column_sums`)) for a 2-D x; `amax` (1-element fp32) is raised to |x|'s maximum. `impl`: auto
     (Triton on a GPU, torch elsewhere), triton (also on the CPU under Triton's interpreter: the tests), torch.
     `arrivals`: a 1-element int32 zero that stays with this operand (see above; None: the amax kernel)."""
-    use_triton = impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda)
-    if use_triton:
-        if not kernels_run_on(x.device):
-            raise RuntimeError("the Triton FP8 cast needs a GPU (or Triton's interpreter on the CPU)")
+    counts = _triton_counts(x, amax, impl, arrivals)
+    if counts is not None:
         fmax = torch.finfo(dtype).max
-        arrivals = amax.new_empty(0, dtype=torch.int32) if arrivals is None else arrivals
-        return _cast_transpose_triton(x.contiguous(), scale, amax, arrivals, dtype, fmax, transpose, column_sums)
+        return _cast_transpose_triton(x.contiguous(), scale, amax, counts, dtype, fmax, transpose, column_sums)
     return cast_transpose_torch(x, scale, amax, dtype, transpose, column_sums)
 
 
@@ -316,12 +322,10 @@ def cast_transpose_pair(
     used); `scales`, `amax` and `arrivals` (or None) [2] hold x's and then w's."""
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"cast_transpose_pair: x {tuple(x.shape)} and w {tuple(w.shape)} differ in K")
-    if impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda):
-        if not kernels_run_on(x.device):
-            raise RuntimeError("the Triton FP8 cast needs a GPU (or Triton's interpreter on the CPU)")
-        arrivals = amax.new_empty(0, dtype=torch.int32) if arrivals is None else arrivals
+    counts = _triton_counts(x, amax, impl, arrivals)
+    if counts is not None:
         return _cast_transpose_pair_triton(
-            x.contiguous(), w.contiguous(), scales.contiguous(), amax, arrivals, dtype, torch.finfo(dtype).max
+            x.contiguous(), w.contiguous(), scales.contiguous(), amax, counts, dtype, torch.finfo(dtype).max
         )
     xq, xq_t, xs, _ = cast_transpose_torch(x, scales[0], amax[0:1], dtype)
     wq, wq_t, ws, _ = cast_transpose_torch(w, scales[1], amax[1:2], dtype)
