@@ -4,8 +4,10 @@ kernels. The rows' measuring needs a GPU (tests/gpu_check.sh); this is the part 
 
 import json
 
+import pytest
 import torch
 
+from flux_train.config import load_config
 from flux_train.tools import bench, bench_table
 
 STOCK = {
@@ -143,3 +145,28 @@ def test_fwdbwd_rows_are_graphed_where_the_trainer_would_capture_its_step():
     assert bench.row_perf(forced, "ours").cuda_graphs is True
     assert bench.row_perf(forced, "ours-no-graphs").cuda_graphs is False
     assert bench.row_perf(forced, "torchao-fp8-tensorwise").fp8_impl == "torchao"
+
+
+def test_step_rows_settle_fp8_until_every_operand_has_an_amax_history(tmp_path):
+    """Step rows time steady steps: first, FP8 delayed trains until every operand's history holds a maximum. The
+    debug model's gates and final layer start at zero, as the full model's do, so its output gradients need more
+    than the first step. The real Trainer, on the CPU."""
+    from flux_train.training import distributed
+    from flux_train.training.train import Trainer
+
+    overrides = ["data.source=synthetic", "eval.enabled=false", "perf.fp8=delayed", "train.compute_dtype=bfloat16"]
+    overrides += [f"logging.out_dir={tmp_path / 'run'}", "checkpoint.every_steps=0", "perf.warmup_iters=1"]
+    trainer = Trainer(load_config("configs/debug.yaml", overrides))
+    try:
+        trainer.warm_up(1)
+        assert trainer.fp8 is not None and trainer.fp8.without_history() > 0  # the warm-up resets the histories
+        assert bench.settle_fp8(trainer, limit=1)[0] == 1
+        assert trainer.fp8.without_history() > 0  # one step leaves the zero gradients' histories empty
+        steps, seconds = bench.settle_fp8(trainer)
+        assert steps >= 1 and seconds > 0
+        assert trainer.fp8.without_history() == 0
+        assert trainer.state.step == 1 + steps
+        assert bench.settle_fp8(trainer) == (0, pytest.approx(0, abs=0.5))  # settled: nothing more runs
+    finally:
+        trainer.close()
+        distributed.shutdown()
