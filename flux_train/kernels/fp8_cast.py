@@ -203,9 +203,9 @@ if HAVE_TRITON:
 
     def _launch(xs: list[torch.Tensor], scale, amax, arrivals, dtype, fmax: float, transpose: bool, column_sums: bool):
         """The kernels over one operand or two of the same K (`scale`, `amax`, `arrivals`: one element per operand;
-        `arrivals` empty: the amax kernel first). A lone operand's second one is empty tensors, never the first's
-        again: a compiled graph gives each tensor a kernel writes a copy of its own, and of two names for one tensor
-        it may keep the copy the kernel did not write."""
+        `arrivals` empty: the amax kernel first). A lone operand's second is a zero-row tensor with outputs of its
+        own, never the first's again: a compiled graph gives each tensor a kernel writes a copy of its own, and of
+        two names for one tensor it may keep the copy the kernel did not write."""
         x, k = xs[0], xs[0].shape[1]
         x2 = xs[1] if len(xs) == 2 else x.new_empty(0, k)  # no rows: the kernel takes no tile of it
         (m, _), (m2, _) = x.shape, x2.shape
