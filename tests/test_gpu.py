@@ -139,7 +139,7 @@ def test_fp8_cast_kernel_writes_torch_e4m3_bits():
                 assert torch.equal(s, scale if history else (amax / fmax).reshape(())), where
                 assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), where
                 assert torch.equal(qt.view(torch.uint8), want.t().contiguous().view(torch.uint8)), where
-                assert arrivals is None or not arrivals.any()
+                assert arrivals is None or arrivals.item() == 0, where  # reset for the next call
     # a GEMM's x and W in one launch, counted or not: each operand's bits as its own launch writes them (both without
     # a history: each operand's programs count themselves in on their own count, interleaved on the GPU)
     x, w = (torch.randn(rows, 3072, device="cuda", generator=g).bfloat16() for rows in (4096, 9216))
@@ -150,6 +150,7 @@ def test_fp8_cast_kernel_writes_torch_e4m3_bits():
     ):
         scales, amax = torch.tensor(scales, device="cuda"), torch.zeros(2, device="cuda")
         pair = cast_transpose_pair(x, w, scales, amax, fp8, arrivals=arrivals)
+        assert arrivals is None or arrivals.tolist() == [0, 0]  # each operand's count reset for the next call
         for i, t in enumerate((x, w)):
             q, qt, s, _ = cast_transpose(t, scales[i], torch.zeros(1, device="cuda"), fp8)
             assert torch.equal(pair[3 * i].view(torch.uint8), q.view(torch.uint8)) and pair[3 * i + 2] == s
