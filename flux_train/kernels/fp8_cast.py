@@ -211,8 +211,10 @@ if HAVE_TRITON:
         (m, _), (m2, _) = x.shape, x2.shape
         qs = [torch.empty(t.shape, device=x.device, dtype=dtype) for t in (x, x2)]
         qts = [torch.empty((k, t.shape[0]) if transpose else (0,), device=x.device, dtype=dtype) for t in (x, x2)]
-        # one 0-dim scale per operand: torch._scaled_mm takes no scale at an offset into a larger tensor
-        ss = [torch.empty((), device=x.device, dtype=torch.float32) for _ in (x, x2)]
+        # one scale per operand (torch._scaled_mm takes no scale at an offset into a larger tensor), allocated with a
+        # dimension and returned as a 0-dim view: Inductor fills a 0-dim empty with a kernel of its own (2 launches
+        # per cast, measured)
+        ss = [torch.empty(1, device=x.device, dtype=torch.float32) for _ in (x, x2)]
         bm, bk, warps = _TILE
         partial = torch.empty((triton.cdiv(m, bm), k) if column_sums else (0,), device=x.device, dtype=torch.float32)
         n, n2 = m * k, m2 * k
@@ -244,7 +246,7 @@ if HAVE_TRITON:
             BK=bk,
             num_warps=warps,
         )
-        return qs[: len(xs)], qts[: len(xs)], ss[: len(xs)], partial
+        return qs[: len(xs)], qts[: len(xs)], [s.view(()) for s in ss[: len(xs)]], partial
 
     @triton_op("flux_train::fp8_cast_transpose", mutates_args={"amax", "arrivals"})
     def _cast_transpose_triton(
