@@ -374,11 +374,12 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, dict]:
     trainer = Trainer(load_config(args.config, args.overrides + trainer_overrides(cfg, args)), Sampler.for_run)
     torch.cuda.reset_peak_memory_stats()
     trainer.warm_up(max(trainer.cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
-    settle_steps, settle_s = settle_fp8(trainer)
+    startup = settle_fp8(trainer) if trainer.fp8 is not None else None
     seconds, warm = timed(trainer.train_step, args.steps)
     measured: dict = {"graphs": trainer.graphed is not None}
-    if trainer.fp8 is not None:  # what the steps before every history was full took beyond steady steps
-        measured["fp8_startup"] = {"steps": settle_steps, "extra_s": round(settle_s - settle_steps * seconds, 2)}
+    if startup is not None:  # what the steps before every history was full took beyond steady steps
+        steps, startup_s = startup
+        measured["fp8_startup"] = {"steps": steps, "extra_s": round(startup_s - steps * seconds, 2)}
     profile = profile_breakdown(trainer.train_step) if args.profile else None
     trainer.evaluator.loss(0)  # warm: eval shapes compile once
     torch.cuda.synchronize()
@@ -393,12 +394,13 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, dict]:
 
 
 def settle_fp8(trainer, limit: int = 20) -> tuple[int, float]:
-    """(steps, seconds): training steps until every delayed FP8 operand has a maximum in its history, so that the
-    timed steps are steady ones. Until then an operand is cast by one program alone (kernels/fp8_cast.py): a
-    start-up cost of the first steps of a run (and of each gradient the zero-initialised gates hold at zero)."""
+    """(steps, seconds): training steps until every delayed FP8 operand of `trainer` (one with FP8 delayed scaling)
+    has a maximum in its history, so that the timed steps are steady ones. Until then an operand is cast by one
+    program alone (kernels/fp8_cast.py): a start-up cost of the first steps of a run (and of each gradient the
+    zero-initialised gates hold at zero)."""
     steps, t0 = 0, time.perf_counter()
     # without_history reads the device: the check after the last step waits for it
-    while trainer.fp8 is not None and trainer.fp8.without_history() and steps < limit:
+    while trainer.fp8.without_history() and steps < limit:
         trainer.train_step()
         steps += 1
     return steps, time.perf_counter() - t0
