@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from shell import python_on_path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -54,6 +55,29 @@ def test_every_untagged_block_is_a_checked_output():
     assert len(OUTPUTS) >= 5  # the plan's three tables, submit's plan line and its refusal
 
 
+def test_python_in_a_documented_command_is_this_interpreter_also_in_a_virtualenv(tmp_path):
+    """Most users install into a virtualenv: there `python` in a documented command must be the virtualenv's (its
+    packages, torch among them, are not the base interpreter's). From a virtualenv made here, the commands' `python`
+    (shell.python_on_path) is the virtualenv's; a link to its interpreter outside it started the base one."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], check=True)
+    code = (
+        "import subprocess, sys; from pathlib import Path; from shell import python_on_path\n"
+        "env = python_on_path(Path(sys.argv[1]))\n"
+        "print(subprocess.run(['bash', '-c', 'python -c \"import sys; print(sys.prefix)\"'], env=env, "
+        "capture_output=True, text=True, check=True).stdout, end='')"
+    )
+    done = subprocess.run(
+        [venv / "bin" / "python", "-c", code, tmp_path / "bin"],
+        cwd=ROOT / "tests",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(venv)
+
+
 def replace_block(block: Block, output: list[str]) -> None:
     """Write `output` between the fences of the block under the block's marker."""
     lines = block.doc.read_text().splitlines()
@@ -67,7 +91,7 @@ def replace_block(block: Block, output: list[str]) -> None:
 def test_a_documented_output_is_what_the_command_prints(block, tmp_path):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     # `python` is this interpreter, and the package this checkout's, wherever an installed one points
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    env = python_on_path(tmp_path / "bin") | {"PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         ["bash", "-c", block.command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )

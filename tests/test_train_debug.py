@@ -3,7 +3,6 @@ compliance checker, and its terminal holds the metrics lines, not MLLOG's JSON o
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 from run_outputs import column, metrics, set_flags, train, train_command
+from shell import python_on_path
 
 from flux_train.config import load_config
 from flux_train.outputs.results import read_events
@@ -94,12 +94,10 @@ def test_the_readmes_next_commands_export_and_sample_the_runs_last_step(debug_ru
     cwd = tmp_path / "cwd"
     (cwd / "runs").mkdir(parents=True)
     (cwd / "runs" / "debug").symlink_to(out)
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python").symlink_to(sys.executable)
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     commands = next(b for b in blocks if "python -m flux_train.checkpoint export" in b)
     assert "W=/models/FLUX.1-schnell" in commands
-    env = os.environ | {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    env = python_on_path(tmp_path / "bin") | {"PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         ["bash", "-euc", commands.replace("/models/FLUX.1-schnell", str(weights))],
         cwd=cwd,
