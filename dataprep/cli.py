@@ -28,27 +28,51 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def existing_path(text: str) -> Path:
+    """argparse type: a file or folder that is there, checked before anything heavy loads."""
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file or folder")
+    return Path(text)
+
+
+WEIGHTS_FOLDER = (
+    "give the local folder of the weights (nothing downloads), e.g. FLUX.1-schnell's vae/, text_encoder_2/ (T5) or "
+    "text_encoder/ (CLIP)"
+)
+
+
+def weights_folder(text: str) -> Path:
+    """argparse type of the encoder flags: a folder, checked before torch and the encoders load (seconds)."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: not a folder; {WEIGHTS_FOLDER}")
+    return Path(text)
+
+
 def add_encoder_arguments(p: argparse.ArgumentParser, vae: bool = False) -> None:
     """--t5/--clip and their tokenizers, --device, --dtype; with `vae`, --vae first."""
     if vae:
-        p.add_argument("--vae", type=Path, required=True, help="local folder of the Flux VAE (FLUX.1-schnell: vae/)")
+        p.add_argument(
+            "--vae", type=weights_folder, required=True, help="local folder of the Flux VAE (FLUX.1-schnell: vae/)"
+        )
     p.add_argument(
         "--t5",
-        type=Path,
+        type=weights_folder,
         required=True,
         help="local folder of the T5-v1.1-XXL encoder weights (FLUX.1-schnell: text_encoder_2/)",
     )
     p.add_argument(
-        "--t5-tokenizer", type=Path, help="its tokenizer folder (default: --t5; FLUX.1-schnell: tokenizer_2/)"
+        "--t5-tokenizer", type=weights_folder, help="its tokenizer folder (default: --t5; FLUX.1-schnell: tokenizer_2/)"
     )
     p.add_argument(
         "--clip",
-        type=Path,
+        type=weights_folder,
         required=True,
         help="local folder of the CLIP-L text encoder (FLUX.1-schnell: text_encoder/)",
     )
     p.add_argument(
-        "--clip-tokenizer", type=Path, help="its tokenizer folder (default: --clip; FLUX.1-schnell: tokenizer/)"
+        "--clip-tokenizer",
+        type=weights_folder,
+        help="its tokenizer folder (default: --clip; FLUX.1-schnell: tokenizer/)",
     )
     p.add_argument("--device", default="auto", help="auto (GPU if visible), cpu, cuda, cuda:N")
     p.add_argument(

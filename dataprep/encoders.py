@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from dataprep.cli import WEIGHTS_FOLDER
 from dataprep.extras import require
 from dataprep.format import DataprepError
 
@@ -31,10 +32,7 @@ def pick_device(choice: str) -> torch.device:
 
 def _load(kind: str, path: Path, loader):
     if not Path(path).is_dir():
-        raise DataprepError(
-            f"--{kind} {path}: not a folder; give the local folder of the weights (nothing "
-            f"downloads), e.g. FLUX.1-schnell's vae/, text_encoder_2/ (T5) or text_encoder/ (CLIP)"
-        )
+        raise DataprepError(f"--{kind} {path}: not a folder; {WEIGHTS_FOLDER}")
     try:
         return loader(str(path))
     except (OSError, ValueError) as exc:

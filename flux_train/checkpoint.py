@@ -1,9 +1,9 @@
 """`python -m flux_train.checkpoint`: the command of flux_train.tools.export (kept where users type it)."""
 
-from flux_train.cli import checkpoint_parser
+from flux_train.cli import answer_early, checkpoint_parser
 
 if __name__ == "__main__":
-    checkpoint_parser().parse_args()  # --help and a bad flag are answered here, before flux_train.tools.export loads
+    answer_early(checkpoint_parser())  # before flux_train.tools.export loads
     from flux_train.tools.export import main
 
     raise SystemExit(main())

@@ -43,10 +43,15 @@ def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
         try:
             return main(argv, **parts)
         except UserError as exc:
-            print(f"{exc.label}: {exc}" if exc.label else str(exc), file=sys.stderr, flush=True)
-            return exc.exit_code
+            return report(exc)
 
     return wrapped
+
+
+def report(error: UserError) -> int:
+    """'<label>: <message>' on stderr; returns the error's exit code."""
+    print(f"{error.label}: {error}" if error.label else str(error), file=sys.stderr, flush=True)
+    return error.exit_code
 
 
 class Parser(argparse.ArgumentParser):

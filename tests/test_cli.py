@@ -6,6 +6,7 @@ import functools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -417,6 +418,58 @@ def test_help_config_lists_every_key_before_torch_is_imported(command, argv):
     assert len(keys()) > 100
 
 
+EARLY = [
+    *CONFIG_COMMANDS,
+    ("python -m flux_train.cluster.launch", []),
+]
+
+
+@pytest.mark.parametrize("command,argv", EARLY, ids=[" ".join([c, *a]) for c, a in EARLY])
+def test_a_bad_config_is_answered_before_torch_is_imported(command, argv):
+    """A typo'd key took seconds to be refused (torch, dynamo and inductor were imported first): the command module
+    loads the config before the module that owns the command. Checked by what was imported."""
+    config = "configs/systems/cpu_02x02.yaml"
+    args = [*argv, "--config", config, "--set", "train.lrr=1"] + (["--checkpoint", "x", "--out", "y"] if argv else [])
+    done = python_m(command, args, after="print('torch imported:', 'torch' in sys.modules)")
+    assert done.returncode == 2 and done.stdout.splitlines()[-1] == "torch imported: False", done.stderr
+    assert done.stderr.startswith("config error: unknown key 'train.lrr'; accepted keys here: global_batch_size")
+
+
+def test_a_missing_folder_of_sample_is_answered_before_torch_is_imported(tmp_path):
+    """`sample`'s missing checkpoint or weights folder took 12 s to be named (diffusers and transformers first)."""
+    (tmp_path / "prompts.txt").write_text("a cat\n")
+    given = {"--checkpoint": tmp_path, "--prompts": tmp_path / "prompts.txt", "--out": tmp_path / "grid.png"}
+    given |= {flag: tmp_path for flag in ("--vae", "--t5", "--clip")}
+    for flag, expected in (
+        ("--checkpoint", "argument --checkpoint: {}: no such file or folder"),
+        ("--vae", "argument --vae: {}: not a folder; give the local folder of the weights (nothing downloads)"),
+    ):
+        args = [str(a) for item in (given | {flag: tmp_path / "nowhere"}).items() for a in item]
+        done = python_m("python -m flux_train.sample", args, after="print('torch imported:', 'torch' in sys.modules)")
+        assert done.returncode == 2 and done.stdout.splitlines()[-1] == "torch imported: False", done.stderr
+        assert expected.format(tmp_path / "nowhere") in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def best_of(runs: int, argv: list[str]) -> float:
+    """The shortest wall time of `runs` runs of argv from the repository (the least disturbed by other work)."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=120)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def test_a_typod_key_is_refused_in_a_fraction_of_the_time_torch_takes_to_import():
+    """The README's first command with a typo'd key: refused in under a third of `python -c "import torch"` (a ratio,
+    so that a slower machine does not fail it; the refusal took 4 times as long as the import before)."""
+    torch_s = best_of(3, [sys.executable, "-c", "import torch"])
+    refused_s = best_of(
+        3, [sys.executable, "-m", "flux_train.train", "--config", "configs/debug.yaml", "--set", "train.lrr=1"]
+    )
+    assert refused_s < torch_s / 3, f"refused in {refused_s:.2f} s, torch imports in {torch_s:.2f} s"
+
+
 # after `pip install -e .` without the extra that brings a command's package: here the package is made unimportable
 # in the command's interpreter (None in sys.modules: `import` raises ModuleNotFoundError as for a package that is not
 # installed), which leaves the rest of the test's environment as it is
@@ -426,15 +479,15 @@ WITHOUT_EXTRAS = [
         "dataprep-empty-encodings",
         "transformers",
         DATAPREP,
-        ["empty-encodings", "--out", "{tmp}/ds", "--t5", "{tmp}/t5", "--clip", "{tmp}/clip"],
+        ["empty-encodings", "--out", "{tmp}/ds", "--t5", "{tmp}", "--clip", "{tmp}"],
     ),
     (
         "sample",
         "transformers",
         "python -m flux_train.sample",
         [
-            *["--checkpoint", "{tmp}/nowhere", "--vae", "{tmp}/vae", "--t5", "{tmp}/t5", "--clip", "{tmp}/clip"],
-            *["--prompts", "{tmp}/prompts.txt", "--out", "{tmp}/grid.png"],
+            *["--checkpoint", "{tmp}", "--vae", "{tmp}", "--t5", "{tmp}", "--clip", "{tmp}"],
+            *["--prompts", "{tmp}", "--out", "{tmp}/grid.png"],
         ],
     ),
 ]

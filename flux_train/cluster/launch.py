@@ -469,10 +469,11 @@ def main(argv=None) -> int:
     add_overrides(p)
     p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")
     args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)  # a bad config is answered before torch loads
     from torch.distributed.elastic.multiprocessing import SignalException
 
     try:
-        status = run_node(load_config(args.config, args.overrides), args.local)
+        status = run_node(cfg, args.local)
     except WorkerFailure:
         return 1  # already logged
     except SignalException as exc:  # Ctrl-C, SIGHUP or SIGQUIT: the launcher has stopped the workers
