@@ -46,6 +46,11 @@ named beside each fail first.
   `<log_dir>/<run id>_<random>/attempt_<n>/<local rank>/stderr.log`, where the per-node agent reads a failed
   worker's last stderr lines (flux_train/cluster/launch.py). Tests: tests/test_launch.py (a failure names the
   rank and the stderr tail).
+- torch 2.11-2.13: the elastic agent's INFO record "Rendezvous complete for workers. Result: ...", whose arguments
+  are one dict (group_rank, group_world_size, global_ranks, ...), and the format strings of two of its warnings (a
+  death signal received, a closing signal sent); the per-node agent says the first in one line of its own and
+  drops the others, which repeat its own lines (flux_train/cluster/launch.py, ElasticLog). Tests:
+  tests/test_launch.py (the rendezvous line), tests/test_slurm_submit.py (each node's group rank).
 """
 
 from __future__ import annotations

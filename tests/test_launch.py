@@ -460,6 +460,25 @@ def test_failure_names_rank_host_cause_and_stderr_tail(tmp_path, monkeypatch):
     assert message.splitlines()[-1].strip().endswith("boom: bad shard")
 
 
+def test_the_agent_says_the_rendezvous_in_one_line_and_leaves_no_node_local_folder(tmp_path):
+    """torch-elastic's log of a node, a dozen INFO lines (the rendezvous report, "starting workers", "waiting for
+    other agents"), becomes the agent's one line of the rendezvous; the node-local folder (caches, worker logs, the
+    job's config) goes with the run: `submit --local` and the tests left flux-train-local-* folders in /tmp. The
+    agent runs as its command does, its workers replaced by `python -c pass`."""
+    code = (
+        "import sys; from flux_train.cluster import launch\n"
+        "launch.worker_args = lambda config_file: ['-c', 'pass']\n"
+        "sys.exit(launch.main(sys.argv[1:]))"
+    )
+    args = ["--local", "--config", SYSTEM, "--set", "slurm.nodes=1", "--set", f"env.local_dir={tmp_path}"]
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    err = done.stderr.splitlines()
+    assert [line for line in err if not line.startswith("[launch node 0/1 127.0.0.1] ")] == [], err
+    assert "[launch node 0/1 127.0.0.1] rendezvous: group_rank=0 group_world_size=1 global_ranks=[0, 1]" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_workers_that_saved_and_stopped_requeue_the_job_only_when_asked_and_allowed(tmp_path, monkeypatch):
     """The flag the batch script turns into `scontrol requeue` is created only where the script set one up and
     slurm.max_requeue allows another requeue; otherwise the node says it was preempted."""

@@ -3,7 +3,9 @@ compliance checker, and its terminal holds the metrics lines, not MLLOG's JSON o
 
 import json
 import math
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from run_outputs import column, metrics, set_flags, train, train_command
+from run_outputs import column, losses, metrics, set_flags, train, train_command
 from shell import python_on_path
 
 from flux_train.config import load_config
@@ -116,6 +118,34 @@ def test_the_readmes_next_commands_export_and_sample_the_runs_last_step(debug_ru
     assert f"wrote runs/debug/grid.png: 2 images of 256x256 from {shown}" in done.stdout
     grid = Image.open(cwd / "runs" / "debug" / "grid.png")
     assert grid.format == "PNG" and grid.size == (512, 256)  # two prompts side by side
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_exit_130_and_the_same_command_goes_on_as_if_never_stopped(tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the run's process group, its loader worker too), after the first
+    checkpoint: one line naming the step and where the same command resumes, exit 130 (it was a 48-line traceback);
+    the same command then ends with the losses of a run never interrupted."""
+    from flux_train.training.checkpoint import list_checkpoints, read_progress
+
+    flags = set_flags(
+        ["train.max_steps=40", "eval.every_steps=10", "logging.log_every=10", "checkpoint.every_steps=10"]
+    )
+    reference = train(tmp_path / "reference", *flags)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        train_command(out, *flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert proc.stdout is not None
+    next(line for line in proc.stdout if line.startswith("flux-train: saved checkpoint"))
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    step = read_progress(list_checkpoints(out / "checkpoints")[-1]).step
+    assert proc.returncode == 130 and re.fullmatch(
+        rf"flux-train: interrupted at step \d+; the same command resumes from step {step}", err.strip()
+    ), err
+    again = train(out, *flags)
+    assert again.returncode == 0 and f"at step {step}" in again.stdout, again.stderr[-3000:]
+    assert reference.returncode == 0 and losses(out) == losses(tmp_path / "reference")
 
 
 @pytest.mark.slow
@@ -324,7 +354,6 @@ def test_the_progress_bar_shows_a_finite_training_loss_through_evals(tmp_path):
     showed loss=nan from the first eval on, which reads as divergence), and the val loss beside it; its times are
     to the next eval and the step cap (tqdm's own estimate, to the cap without the evals, is not drawn)."""
     import fcntl
-    import os
     import pty
     import select
     import struct

@@ -24,6 +24,7 @@ import os
 import random
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -398,11 +399,32 @@ def request_requeue(cfg: Config, node: Node) -> NodeStatus:
     return NodeStatus.REQUEUED
 
 
-def run_node(cfg: Config, local: bool = False) -> NodeStatus:
-    """The whole per-node path; raises WorkerFailure when a worker failed."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
+class ElasticLog(logging.Filter):
+    """torch-elastic's log of this node in the agent's words: its rendezvous report (a dozen INFO lines) as one line,
+    its other INFO lines and the warnings that repeat the agent's own line (a signal passed on) dropped, any other
+    warning or error kept."""
 
+    REPEATS = ("Received %s death signal, shutting down workers", "Sending process %s closing signal %s")
+
+    def __init__(self, node: Node):
+        super().__init__()
+        self.node = node
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        result = record.args if isinstance(record.args, dict) else {}
+        if "global_ranks" in result:  # "Rendezvous complete for workers. Result: ..." (flux_train/private_apis.py)
+            keys = ("group_rank", "group_world_size", "global_ranks")
+            log(self.node, "rendezvous: " + " ".join(f"{key}={result[key]}" for key in keys))
+            return False
+        return record.levelno > logging.INFO and record.msg not in self.REPEATS
+
+
+ELASTIC_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+def run_node(cfg: Config, local: bool = False) -> NodeStatus:
+    """The whole per-node path; raises WorkerFailure when a worker failed. The node-local folder goes at the end
+    (compile caches, worker logs, the job's config with its secrets), but for a requeue: the job comes back to it."""
     node = Node.detect(local)
     nproc = cfg.slurm.gpus_per_node
     validate(cfg, world_size=node.count * nproc, gpus_per_node=nproc)
@@ -414,6 +436,21 @@ def run_node(cfg: Config, local: bool = False) -> NodeStatus:
             f"env.local_dir: cannot create {local_dir} on this node ({exc.strerror}); set env.local_dir (or $TMPDIR) "
             "to a writable node-local folder"
         ) from None
+    status = None
+    try:
+        status = run_workers(cfg, node, local_dir)
+        return status
+    finally:
+        if status is not NodeStatus.REQUEUED:
+            shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def run_workers(cfg: Config, node: Node, local_dir: Path) -> NodeStatus:
+    """This node's environment, then its workers, to their end."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    nproc = cfg.slurm.gpus_per_node
     restart = f", restart {node.restarts}" if node.restarts else ""
     log(
         node,
@@ -430,9 +467,11 @@ def run_node(cfg: Config, local: bool = False) -> NodeStatus:
         run_tunables(node)
     config_file = local_dir / "config.yaml"
     write_job_config(cfg, config_file)
-    # the launcher reports each node's rendezvous result (group rank, global ranks) at INFO
-    logging.basicConfig(format="%(message)s")
-    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.INFO)
+    for logger in map(logging.getLogger, ELASTIC_LOGGERS):
+        logger.setLevel(logging.INFO)  # the rendezvous report is at INFO
+        for earlier in [f for f in logger.filters if isinstance(f, ElasticLog)]:  # an earlier node in this process
+            logger.removeFilter(earlier)
+        logger.addFilter(ElasticLog(node))
     worker_logs = local_dir / f"workers-{os.getpid()}"  # this start's own: a requeued job starts again
     with SignalRelay(node) as relay:
         try:

@@ -77,6 +77,19 @@ def _claim(cfg: Config, world_size: int) -> Claim:
     return Claim(resume_from, locks)
 
 
+def next_start(cfg: Config) -> str:
+    """What the same command does with the folder as it is now: where it resumes, or that it starts over."""
+    choice = cfg.checkpoint.resume
+    if choice == "none":
+        return "starts over (checkpoint.resume=none)"
+    if choice != "auto":
+        return f"resumes from {choice} (checkpoint.resume)"
+    found = checkpoint.list_checkpoints(checkpoint_dir(cfg))
+    return (
+        f"resumes from step {checkpoint.read_progress(found[-1]).step}" if found else "starts over: no checkpoint yet"
+    )
+
+
 def refuse_links(folder: Path, depth: int = 2) -> None:
     """The run writes regular files and folders only: a symbolic link planted where it writes (metrics.jsonl ->
     /etc/..., heartbeats/rank_00000, checkpoints/step_00000010) would have it write elsewhere, so it is refused, not

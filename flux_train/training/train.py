@@ -56,6 +56,7 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 EXIT_DIVERGED = 3  # a non-finite loss or gradient norm stopped the run
 EXIT_COLLECTIVE = 4  # a collective failed or timed out (parallel.timeout_s); the message names the stragglers
 EXIT_OUT_OF_MEMORY = 5  # a GPU ran out of memory; the message says how much torch held and what to change
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C, as a shell reports it
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -408,7 +409,7 @@ class Trainer:
 def main(argv=None, sampler: SamplerFactory | None = None) -> int:
     """The run of the command line `argv`; `sampler` as for Trainer."""
     args = train_parser().parse_args(argv)
-    cfg = trainer = status = None
+    cfg = trainer = status = ignored = None
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
@@ -426,6 +427,13 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
             raise
         print(oom or stalled, file=sys.stderr, flush=True)
         return EXIT_OUT_OF_MEMORY if oom else EXIT_COLLECTIVE
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever the loop was
+        ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one must not cut the teardown short
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            at = f"at step {trainer.state.step}" if trainer else "while starting"
+            where = f"; the same command {run_folder.next_start(cfg)}" if cfg else ""
+            print(f"flux-train: interrupted {at}{where}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     finally:
         # from here the heartbeat no longer speaks for this rank: the deadline does, if the teardown hangs
         deadline = None
@@ -438,4 +446,6 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
         shutdown()
         if deadline is not None:
             deadline.cancel()
+        if ignored is not None:
+            signal.signal(signal.SIGINT, ignored)
     return {Status.PREEMPTED: preemption.EXIT_CODE, Status.DIVERGED: EXIT_DIVERGED}.get(status or Status.SUCCESS, 0)
