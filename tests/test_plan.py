@@ -55,6 +55,32 @@ def test_time_to_train_from_the_rcp_of_the_gbs(capsys, tmp_path):
     assert out["plans"][0]["lower_bound"]  # no eval rate for MI325X: the time is a lower bound, and says so
 
 
+@pytest.mark.parametrize("system", sorted(Path("configs/systems").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_system_plans_as_shipped(system, capsys, tmp_path):
+    """Each file of configs/systems/ as a user plans it, with no flag but --png: the GPU systems print their plan,
+    with `-` where a figure is missing (not `>=-`, not a warm-up of 0.0 s); a kind with nothing measured (the AMD
+    systems) says so in one line with the bench commands that measure it. The CPU system is refused in one line:
+    there is no GPU kind to plan for."""
+    code = plan.main(["--config", str(system), "--png", str(tmp_path / "plan.png")])
+    out, err = capsys.readouterr()
+    if load_config(system).train.device == "cpu":
+        assert code == 2 and err.startswith("plan: name the GPU kind") and len(err.splitlines()) == 1, err
+        return
+    assert code == 0, err
+    assert ">=-" not in out and "(0.0 s)" not in out and (tmp_path / "plan.png").is_file()
+    kind = load_config(system).preflight.gpu_name
+    missing = [line for line in out.splitlines() if line.startswith("missing")]
+    if plan.Figures(kind).measured:
+        assert missing == ["missing (times that need them are lower bounds, marked >=):"] or missing == [], missing
+    else:
+        assert missing == [
+            f"missing: nothing is measured on {kind} yet, so no step, time-to-train or checkpoint time: on one "
+            f"{kind} node run `python -m flux_train.bench --rows ours --json {kind}.jsonl` and `torchrun --standalone "
+            f"--nproc_per_node=8 -m flux_train.bench --mode step --config {system} --rows ours --profile --json "
+            f"{kind}.jsonl`, then plan with --measured {kind}.jsonl (or add its rows to measured.yaml)"
+        ]
+
+
 def test_a_gbs_without_rcp_is_refused_naming_the_ones_with(capsys, tmp_path):
     sizes = sorted(r["BS"] for r in json.loads(RCP_FILE.read_text()).values())
     assert plan.main(["--config", H200, "--set", "train.global_batch_size=768", "--png", str(tmp_path / "p.png")]) == 2

@@ -108,6 +108,11 @@ class Figures:
             rows.append((row, f"{path} row {n}"))
         return rows
 
+    @property
+    def measured(self) -> bool:
+        """Whether anything of this kind was measured or stated: a figure not from the vendor's spec, a bench row."""
+        return bool(self.stated) or any("spec" not in f for f in self.figures.values()) or any(self.row_sets[:-1])
+
     def figure(self, name: str) -> tuple[float, str] | None:
         """(value, where it comes from) of a stated or tabled figure, or None."""
         if name in self.stated:
@@ -359,11 +364,12 @@ def project(cfg: Config, figs: Figures, rcp: dict | None) -> dict:
         parts = step_parts(cfg, figs, notes)
         shards = mesh_shape(cfg.parallel, world, gpus)[1]
         within = "intra" if shards <= gpus else "inter"  # a shard group larger than a node crosses nodes
-        parts["exposed_s"] = 0.0
+        parts["exposed_s"], bandwidths = 0.0, []
         if parts["intra_bytes"]:
             bandwidth = notes.use(
                 f"{within}-node bandwidth", figs.figure(f"{within}_node_busbw_gbps"), f"pass --{within}-gbps"
             )
+            bandwidths.append(bandwidth)
             if bandwidth is not None:
                 fraction = exposed_fraction(cfg, figs, bandwidth)
                 fraction = notes.use("overlap", fraction, "no step rows of this layout: all of it counted") or 1.0
@@ -374,9 +380,12 @@ def project(cfg: Config, figs: Figures, rcp: dict | None) -> dict:
                 figs.figure("inter_node_busbw_gbps"),
                 "pass --inter-gbps: the pre-flight probe's figure",
             )
+            bandwidths.append(bandwidth)
             parts["exposed_s"] += parts["inter_bytes"] / (bandwidth * 1e9) if bandwidth else 0.0
-        busy = [parts["compute_s"], parts["buffer_s"], parts["optimizer_s"]]
-        step = sum(x or 0.0 for x in busy) + parts["exposed_s"] if parts["compute_s"] is not None else None
+        if bandwidths and not any(bandwidths):  # no bandwidth of the traffic known: its time is not 0 but unknown
+            parts["exposed_s"] = None
+        busy = [parts["compute_s"], parts["buffer_s"], parts["optimizer_s"], parts["exposed_s"]]
+        step = sum(x or 0.0 for x in busy) if parts["compute_s"] is not None else None
     out |= {"step": parts, "step_s": step, "samples_s_per_gpu": gbs / world / step if step else None}
     ceiling = figs.figure("matmul_tflops")
     if step and ceiling:
@@ -614,7 +623,7 @@ def _cells(p: dict) -> list[str]:
         num(compute, ".3f"),
         num(s.get("optimizer_s"), ".3f"),
         num(s.get("exposed_s"), ".3f"),
-        bound + num(p["step_s"], ".3f"),
+        (bound if p["step_s"] is not None else "") + num(p["step_s"], ".3f"),
         num(p["samples_s_per_gpu"], ".2f"),
         num(p.get("mfu"), ".1f", 100),
         num(t.get("eval_share"), ".1f", 100),
@@ -660,7 +669,8 @@ def print_plan(config: str, cfg: Config, figs: Figures, rcp: dict, plans: list[d
         line += f"; a resume reads it in {ck['resume_s']:.0f} s"
     print(line)
     if "steps" in w:
-        warm = f"{w['steps']} step(s) ({w['s'] or 0:.1f} s) + compile and initialisation: {w['source']}"
+        steps = f"({w['s']:.1f} s) " if w["s"] is not None else ""
+        warm = f"{w['steps']} step(s) {steps}+ compile and initialisation: {w['source']}"
     else:
         warm = f"{w['s']:.0f} s ({w['source']})"
     print(f"warm-up before run_start (off the clock): {warm}")
@@ -671,11 +681,24 @@ def print_plan(config: str, cfg: Config, figs: Figures, rcp: dict, plans: list[d
     for name, text in {k: v for p in shown for k, v in p["sources"].items()}.items():
         print(f"  {name:20s} {text}")
     missing = list(dict.fromkeys(x for p in shown for x in p["missing"]))
-    if missing:
+    if not figs.measured:
+        print(f"missing: {how_to_measure(config, cfg, figs.kind)}")
+    elif missing:
         print("missing (times that need them are lower bounds, marked >=):")
         for text in missing:
             print(f"  {text}")
     print(f"plot: {png}")
+
+
+def how_to_measure(config: str, cfg: Config, kind: str) -> str:
+    """What a kind with nothing measured lacks, and the bench commands that measure it on one node."""
+    rows = f"{kind}.jsonl"
+    return (
+        f"nothing is measured on {kind} yet, so no step, time-to-train or checkpoint time: on one {kind} node run "
+        f"`python -m flux_train.bench --rows ours --json {rows}` and `torchrun --standalone "
+        f"--nproc_per_node={cfg.slurm.gpus_per_node} -m flux_train.bench --mode step --config {config} --rows ours "
+        f"--profile --json {rows}`, then plan with --measured {rows} (or add its rows to {FIGURES_FILE.name})"
+    )
 
 
 def plot(plans: list[dict], path: str, title: str) -> None:
