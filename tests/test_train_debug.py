@@ -348,21 +348,18 @@ def test_the_eta_counts_down_to_the_next_eval_and_where_the_reference_converged(
     assert eta.text(14848).endswith("step cap in 11:00:20")  # past the max: the cap
 
 
-@pytest.mark.slow
-def test_the_progress_bar_shows_a_finite_training_loss_through_evals(tmp_path):
-    """On a terminal, the bar's loss is the last training loss, also after an eval (whose row has none: the bar
-    showed loss=nan from the first eval on, which reads as divergence), and the val loss beside it; its times are
-    to the next eval and the step cap (tqdm's own estimate, to the cap without the evals, is not drawn)."""
+def on_a_terminal(out: Path, *flags: str) -> bytes:
+    """What a debug run draws on a terminal (stdout and stderr both, 200 columns wide: the bar is drawn only when
+    stderr is a terminal, as wide as the terminal), the run ended with exit 0."""
     import fcntl
     import pty
     import select
     import struct
     import termios
 
-    parent, child = pty.openpty()  # the bar is drawn only when stderr is a terminal, as wide as the terminal
+    parent, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
-    flags = set_flags(["train.max_steps=6", "eval.every_steps=2", "logging.log_every=1", "checkpoint.every_steps=0"])
-    proc = subprocess.Popen(train_command(tmp_path, *flags), stdout=subprocess.DEVNULL, stderr=child)
+    proc = subprocess.Popen(train_command(out, *flags), stdout=child, stderr=child)
     os.close(child)
     drawn = b""
     while True:
@@ -375,6 +372,44 @@ def test_the_progress_bar_shows_a_finite_training_loss_through_evals(tmp_path):
             break
         drawn += chunk
     assert proc.wait(timeout=60) == 0, drawn[-2000:]
+    return drawn
+
+
+def screen(drawn: bytes) -> list[str]:
+    """The lines a terminal shows for `drawn`: a carriage return goes back to the line's start, and what follows
+    overwrites what was there."""
+    lines = []
+    for raw in drawn.decode(errors="replace").split("\n"):
+        shown: list[str] = []
+        column = 0
+        for char in raw:
+            if char == "\r":
+                column = 0
+                continue
+            shown[column : column + 1] = [char]
+            column += 1
+        lines.append("".join(shown).rstrip())
+    return lines
+
+
+@pytest.mark.slow
+def test_the_trainers_lines_are_written_above_the_progress_bar_not_onto_it(tmp_path):
+    """ "saved checkpoint" (and every other line of the trainer) was printed after the bar, on its line: on the
+    terminal each such line starts at its line's start, and each metrics line too."""
+    flags = ["train.max_steps=6", "eval.every_steps=2", "logging.log_every=1", "checkpoint.every_steps=2"]
+    lines = screen(on_a_terminal(tmp_path, *set_flags(flags)))
+    ours = [line for line in lines if "flux-train: " in line or re.search(r"step \d+ (loss|samples) ", line)]
+    assert len([line for line in ours if "saved checkpoint" in line]) == 3, lines
+    assert [line for line in ours if not re.match(r"flux-train: |step \d+ ", line)] == [], lines
+
+
+@pytest.mark.slow
+def test_the_progress_bar_shows_a_finite_training_loss_through_evals(tmp_path):
+    """On a terminal, the bar's loss is the last training loss, also after an eval (whose row has none: the bar
+    showed loss=nan from the first eval on, which reads as divergence), and the val loss beside it; its times are
+    to the next eval and the step cap (tqdm's own estimate, to the cap without the evals, is not drawn)."""
+    flags = set_flags(["train.max_steps=6", "eval.every_steps=2", "logging.log_every=1", "checkpoint.every_steps=0"])
+    drawn = on_a_terminal(tmp_path, *flags)
     shown = re.findall(rb"\bloss=([^,\] ]+)", drawn)
     vals = re.findall(rb"val_loss=([^,\] ]+)", drawn)
     assert shown and vals, drawn[-2000:]

@@ -62,6 +62,13 @@ class Eta:
         return ", ".join([*parts, f"{label} in {at_least}{tqdm.format_interval(left)}"])
 
 
+def say(text: str) -> None:
+    """A line of the run on stdout, above the progress bar where one is drawn (tqdm clears it and draws it again
+    below): a plain print lands on the bar's line, after the bar."""
+    tqdm.write(text, file=sys.stdout)
+    sys.stdout.flush()
+
+
 class Metrics:
     """Accumulates step timings between log lines; rank 0 prints and writes JSONL/TensorBoard."""
 
@@ -153,16 +160,13 @@ class Metrics:
     def emit(self, row: dict) -> None:
         if not self.enabled:
             return
-        text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+        say(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
         if self.bar is not None:
-            self.bar.write(text)
             # the last training loss and, once there is one, the last val loss: an eval's row (no training loss)
             # keeps the training loss shown
             self.postfix |= {k: f"{row[k]:.4f}" for k in ("loss", "val_loss") if k in row}
             self._show()
             self.bar.refresh()
-        else:
-            print(text, flush=True)
 
         jsonl = self.jsonl
         if jsonl is None:  # not the main rank

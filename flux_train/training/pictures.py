@@ -17,6 +17,7 @@ from torch import nn
 
 from flux_train.config import Config
 from flux_train.outputs.report import REPORT_FILE, write_report
+from flux_train.training.metrics import say
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -84,7 +85,7 @@ class Pictures:
             sampler.grid(weights).save(path)
 
         if best_effort(path, draw):
-            print(f"flux-train: samples of step {step}: {path}", flush=True)
+            say(f"flux-train: samples of step {step}: {path}")
 
     def report(self) -> None:
         """The run's report.png from metrics.jsonl (rank 0)."""

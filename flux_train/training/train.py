@@ -44,7 +44,7 @@ from flux_train.training.distributed import collective_failure_line, init_distri
 from flux_train.training.evaluate import Evaluator
 from flux_train.training.heartbeat import ExitDeadline, Heartbeat
 from flux_train.training.layout import build_training
-from flux_train.training.metrics import Eta, LogWindow, Metrics, eta_goals
+from flux_train.training.metrics import Eta, LogWindow, Metrics, eta_goals, say
 from flux_train.training.optim import lr_at
 from flux_train.training.perf import GraphedStep, prepare_model, select_attention_backend
 from flux_train.training.pictures import Pictures, SamplerFactory
@@ -284,7 +284,7 @@ class Trainer:
 
     def _say(self, text: str) -> None:
         if self.dist.is_main:
-            print(f"flux-train: {text}", flush=True)
+            say(f"flux-train: {text}")
 
     def run(self) -> Status:
         """Warm up, start the clock, train until an eval reaches the target, the step cap, Slurm's warning signal
