@@ -83,7 +83,7 @@ def run(args) -> int:
         )
         if args.arrow:
             paths = write_arrow(args.out, spec)
-            print(f"== fixture\n  wrote {' and '.join(map(str, paths.values()))} (MLCommons HF layout)")
+            print(f"== fixture\n  wrote {', '.join(map(str, paths.values()))} (MLCommons' layout)")
         else:
             write_fixture(args.out, spec)
             print(f"== fixture\n  wrote {args.out} ({args.train} train, {args.val} val samples, shape {args.shape})")

@@ -4,14 +4,20 @@ line, naming the extra that installs it, instead of ending in a ModuleNotFoundEr
 from __future__ import annotations
 
 import importlib
+import os
 
 from dataprep.format import DataprepError
 
 EXTRA = {"datasets": "dataprep", "transformers": "dataprep"}  # module -> the extra of pyproject.toml that has it
+# the variable that keeps a package's own progress bars out of our commands' (read as it is imported, and inherited by
+# the worker processes that import it again); a value the user set stays
+QUIET = {"datasets": "HF_DATASETS_DISABLE_PROGRESS_BARS"}
 
 
 def require(module: str, needed_for: str) -> None:
-    """Import `module`, or raise DataprepError naming the extra that installs it."""
+    """Import `module` (without its own progress bars), or raise DataprepError naming the extra that installs it."""
+    if module in QUIET:
+        os.environ.setdefault(QUIET[module], "1")
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as exc:

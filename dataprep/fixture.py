@@ -3,7 +3,7 @@
 Train samples are random (the values the trainer's synthetic source draws for one sample); val sample i
 copies the arrays of train sample i mod N under its own key (val keys continue after train), with timestep
 i mod 8, so a debug run can show that the trainer overfits. The same samples can instead be written as the
-MLCommons Hugging Face (Arrow) input of `convert`.
+MLCommons Hugging Face (Arrow) input of `convert`, with the empty encodings beside it.
 """
 
 from __future__ import annotations
@@ -145,13 +145,16 @@ def save_arrow(path: Path, samples: Iterable[dict], val: bool) -> Path:
 
 
 def write_arrow(root: Path, spec: FixtureSpec) -> dict[str, Path]:
-    """The fixture as the input of `convert`: root/train and root/val (splits with samples)."""
+    """The fixture as MLCommons distributes its data: root/train and root/val (splits with samples), the input of
+    `convert`, and root/empty_encodings, to copy into the converted dataset."""
     sizes = {"train": spec.train, "val": spec.val}
-    return {
+    written = {
         split: save_arrow(Path(root) / split, FixtureSplit(spec, split), split == "val")
         for split, size in sizes.items()
         if size
     }
+    write_empty_encodings(Path(root) / "empty_encodings", *empty_encodings(spec))
+    return written | {"empty_encodings": Path(root) / "empty_encodings"}
 
 
 def ensure_fixture(root: Path, train: int, val: int, text_len: int, height: int, width: int, seed: int) -> Path:

@@ -99,10 +99,12 @@ def prepare(root: Path, workers: int = 8, quiet: bool = False) -> dict:
     def progress_fn(items, length=None):
         return items if quiet else iter(progress.bar(length, "prepare (index shards)", unit="shard", iterable=items))
 
+    said = io.StringIO()
     try:
-        # energon prints its steps to stdout; the return type differs between versions (7.1: a tuple, 7.4: a
-        # set) and nothing is needed from it
-        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        # energon prints its steps to stdout ("Saving info to ...", "Collapsing split parts... Done"), into our bar:
+        # kept for its refusal below. Its return type differs between versions (7.1: a tuple, 7.4: a set) and
+        # nothing is needed from it
+        with contextlib.redirect_stdout(said):
             BaseWebdatasetFactory.prepare_dataset(
                 root,
                 tars,
@@ -112,10 +114,11 @@ def prepare(root: Path, workers: int = 8, quiet: bool = False) -> dict:
                 progress_fn=progress_fn,
             )
     except SystemExit:  # energon >= 7.3 exits on duplicate keys, even from the API
+        example = next((line for line in said.getvalue().splitlines() if "duplicate key:" in line), "no example")
         raise DataprepError(
-            f"{root}: energon refused the dataset because sample keys repeat across shards (see its message "
-            f"above). NVIDIA's to_webdataset.py restarts keys at 00000000 in val/; reconvert with `python -m "
-            f"dataprep convert`, whose keys are unique across train and val"
+            f"{root}: energon refused the dataset because sample keys repeat across shards ({example.strip()}). "
+            f"NVIDIA's to_webdataset.py restarts keys at 00000000 in val/; reconvert with `python -m dataprep "
+            f"convert`, whose keys are unique across train and val"
         ) from None
     (root / ".nv-meta" / "dataset.yaml").write_text(yaml.safe_dump(DATASET_YAML, sort_keys=False))
     counts = json.loads((root / ".nv-meta" / ".info.json").read_text())["shard_counts"]

@@ -195,7 +195,10 @@ def check_empty(root: Path, shape: Optional[Shape], report: Report) -> None:
     for name, expected in ((EMPTY_T5, [1, shape.text_len if shape else "L", T5_DIM]), (EMPTY_CLIP, [1, CLIP_DIM])):
         file = root / "empty_encodings" / name
         if not file.is_file():
-            report.defect(f"{file}: missing; write it with `python -m dataprep empty-encodings`")
+            report.defect(
+                f"{file}: missing; copy MLCommons' empty_encodings/ there (`dataprep fixture --arrow` writes one "
+                "beside its splits), or write it with `python -m dataprep empty-encodings` from the T5 and CLIP weights"
+            )
             continue
         array = np.load(file, allow_pickle=False)
         fits = array.ndim == len(expected) and all(e in ("L", n) for n, e in zip(array.shape, expected))

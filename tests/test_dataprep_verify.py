@@ -2,17 +2,22 @@
 describes itself (shape and counts, written by `prepare`) and verify checks the samples against that."""
 
 import io
+import re
 import shutil
+import subprocess
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
+from shell import python_on_path
 
 from dataprep.__main__ import main
 from dataprep.fixture import FixtureSpec, write_fixture
 from dataprep.format import METADATA, DatasetInfo, Shape, read_info, write_info
 from dataprep.prepare import prepare
 
+ROOT = Path(__file__).resolve().parent.parent
 SPEC = FixtureSpec(train=10, val=9, text_len=4, height=2, width=2, samples_per_shard=5)
 SHAPE = "4,2,2"
 
@@ -131,3 +136,26 @@ def test_missing_description_and_stale_counts_are_named(dataset, capsys):
         and f"{dataset / METADATA}: missing, so the sample shape is unknown; run `python -m dataprep prepare {dataset}`"
         in out
     )
+
+
+@pytest.mark.slow
+def test_the_documented_arrow_fixture_path_ends_green_showing_only_our_lines(tmp_path):
+    """docs/data.md's MLCommons path on the --arrow fixture (fixture, convert, copy the empty encodings, prepare,
+    verify), as written there: verify finds no defect (nothing wrote the empty encodings, and nothing could without
+    the T5 and CLIP weights); and what the commands print is ours, without datasets' progress bars or energon's
+    "Saving info ... Collapsing split parts" inside prepare's bar."""
+    text = (ROOT / "docs" / "data.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "fixture --arrow" in b)
+    done = subprocess.run(
+        ["bash", "-euc", block],
+        cwd=tmp_path,
+        env=python_on_path(tmp_path / "bin") | {"PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"^  defects +none$", done.stdout, re.M), done.stdout
+    printed = done.stdout + done.stderr
+    for noise in ("Saving info", "Collapsing split parts", "Generating train split", "Saving the dataset"):
+        assert noise not in printed, printed
