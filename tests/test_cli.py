@@ -326,6 +326,7 @@ def bad_input_world(tmp: Path, argv: list[str], monkeypatch) -> Path:
 def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, tmp_path, monkeypatch, capsys):
     cwd = bad_input_world(tmp_path, argv, monkeypatch)
     capsys.readouterr()  # what making the inputs printed
+    before = set(tmp_path.rglob("*"))
     fill = functools.partial(str.format, root=ROOT, tmp=tmp_path)
     try:
         code = COMMANDS[command](list(map(fill, argv)))
@@ -337,6 +338,9 @@ def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, t
     assert [p for p in cwd.rglob("*") if p.is_file()] == []  # no plot, no runs/submitit/ pickles, ...
     log = tmp_path / "out" / "mllog.log"
     assert not (log.is_file() and "init_start" in log.read_text())  # the trainer started no MLLOG run
+    # no lock file left, and no folder made and left empty (runs/x/.lock, runs/x/checkpoints/.lock, a convert's .lock)
+    made = set(tmp_path.rglob("*")) - before
+    assert [p for p in made if p.name == ".lock" or (p.is_dir() and not any(p.iterdir()))] == []
 
 
 @pytest.mark.slow

@@ -319,7 +319,25 @@ def test_a_second_writer_of_an_output_folder_is_refused_naming_the_holder(tmp_pa
     line = proc.stderr.strip()
     assert line.startswith(f"error: --out {out} is in use by host {socket.gethostname()} pid {os.getpid()} since ")
     assert line.endswith("; wait for it to end, or choose another --out") and "\n" not in line
-    assert [p.name for p in out.iterdir()] == [".lock"]
+    assert not out.exists()  # the refused convert wrote nothing; the holder's lock went with it, and the folder it made
+
+
+def test_a_lock_let_go_is_never_taken_on_the_file_its_holder_removed(tmp_path, monkeypatch):
+    """Letting go removes the lock file (a failed start leaves no folder holding only `.lock`). A process that had
+    opened it just before holds a removed file once it locks it: it must take the one at the path instead, or two
+    processes would both hold "the" lock."""
+    from dataprep import folder_lock
+
+    out = tmp_path / "out"
+    held = folder_lock.lock_folder(out, "--out")
+    stale = open(out / folder_lock.LOCK_FILE, "r+")  # opened before the holder let go
+    held.release()
+    assert not out.exists()  # the lock made the folder, and nothing else was written there
+    opened = iter([stale])
+    real = folder_lock._open
+    monkeypatch.setattr(folder_lock, "_open", lambda path, setting: next(opened, None) or real(path, setting))
+    with folder_lock.lock_folder(out, "--out") as lock:
+        assert stale.closed and os.path.samefile(f"/proc/self/fd/{lock.handle.fileno()}", out / ".lock")
 
 
 def test_a_full_disk_while_writing_a_shard_is_one_line_naming_it(tmp_path):

@@ -35,6 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dataprep.folder_lock import missing_folders, remove_empty
 from dataprep.lifetime import die_with_parent
 from flux_train.cli import submit_parser
 from flux_train.cluster import container
@@ -385,13 +386,15 @@ def submit(cfg: Config, runs: int) -> None:
     executor.update_parameters(**sbatch_parameters(cfg, folder, srun_args))
     staging = JobPaths.get_first_id_independent_folder(folder)  # pickles and script go here
     before = set(staging.iterdir()) if staging.is_dir() else set()
+    made = missing_folders(staging)
     try:
         # submitit prints sbatch's stderr as well as raising it: the one line below carries it
         with contextlib.redirect_stderr(io.StringIO()), executor.batch():  # more than one job: a job array
             jobs = [executor.submit(NodeAgent(run)) for run in campaign(cfg, runs)]
     except FailedJobError as exc:
-        for path in set(staging.iterdir()) - before:  # the refused job's files
+        for path in set(staging.iterdir()) - before:  # the refused job's files, and the folders made for them
             path.unlink()
+        remove_empty(made)
         raise SubmitError(sbatch_refusal(str(exc))) from None
     job = jobs[0]
     whole = job.job_id.split("_")[0]

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable
+from typing import Callable
 
 import torch.distributed as dist
 
-from dataprep.folder_lock import LOCK_FILE, FolderLockError, lock_folder
+from dataprep.folder_lock import LOCK_FILE, FolderLock, FolderLockError, lock_folder
 from flux_train.config import Config, ConfigError, checkpoint_dir
 from flux_train.errors import StorageError, UserError, raise_on_every_rank
 from flux_train.masking import masked
@@ -26,7 +26,16 @@ from flux_train.training import checkpoint
 @dataclass
 class Claim:
     resume_from: Path | None
-    locks: list[IO[str]] = field(default_factory=list)  # open for the run's lifetime (main rank only)
+
+
+HELD: list[FolderLock] = []  # the run folders' locks this process holds (main rank only), until release()
+
+
+def release() -> None:
+    """Let go of the run folders this process claimed (at the end of the run, however it ended): their lock files
+    go, and the folders they created if the run wrote nothing there (a start that failed, e.g. on its data)."""
+    while HELD:
+        HELD.pop().release()  # the checkpoint folder (inside the run's, by default) first
 
 
 def claim(cfg: Config, rank: int, world_size: int) -> Claim:
@@ -58,8 +67,10 @@ def _claim(cfg: Config, world_size: int) -> Claim:
     for folder in folders.values():  # before the locks, which would write their files through a linked folder
         refuse_links(folder)
     try:
-        locks = [lock_folder(folder, key) for key, folder in folders.items()]
+        for key, folder in folders.items():
+            HELD.append(lock_folder(folder, key))
     except FolderLockError as exc:
+        release()
         raise ConfigError(str(exc)) from None
     resume_from = checkpoint.resolve_resume(cfg, world_size)
     gbs = cfg.train.global_batch_size
@@ -74,7 +85,7 @@ def _claim(cfg: Config, world_size: int) -> Claim:
     if step is not None:  # resuming
         cut_back(log, _samples_of, step * gbs)
         cut_back(out / METRICS_FILE, _step_of, step)
-    return Claim(resume_from, locks)
+    return Claim(resume_from)
 
 
 def next_start(cfg: Config) -> str:

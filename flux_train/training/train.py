@@ -444,6 +444,7 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
             trainer.heartbeat.stop()
             trainer.close()
         shutdown()
+        run_folder.release()
         if deadline is not None:
             deadline.cancel()
         if ignored is not None:
