@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -210,25 +209,24 @@ def test_the_readmes_healthy_run_is_what_the_run_prints(debug_run):
 
 
 @pytest.mark.slow
-def test_official_compliance_checker_accepts_the_log(debug_run):
+def test_the_official_checker_as_documented_accepts_the_log_and_writes_only_in_the_run_folder(debug_run, tmp_path):
+    """docs/operating.md's checker command, for runs/debug: it passes, and its report lands in the run's folder (its
+    default, ./compliance_checker.log, was left in the repository)."""
     out, _ = debug_run
+    text = " ".join((ROOT / "docs" / "operating.md").read_text().split())
+    command = re.search(r"`(python -m mlperf_logging\.compliance_checker [^`]+)`", text).group(1)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "debug").symlink_to(out)
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlperf_logging.compliance_checker",
-            "--usage",
-            "training",
-            "--ruleset",
-            "6.0.0",
-            str(out / "mllog.log"),
-        ],
+        ["bash", "-c", command.replace("<out_dir>", "runs/debug")],
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=out,
+        cwd=tmp_path,
+        env=python_on_path(tmp_path / "bin"),
     )
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "runs"] and (out / "compliance_checker.log").is_file()
 
 
 @pytest.mark.slow
