@@ -195,8 +195,10 @@ def node_counts(text: str) -> list[int]:
     """argparse type: N or a range A-B."""
     first, _, last = text.partition("-")
     low, high = positive_int(first), positive_int(last or first)
-    if high < low:
-        raise ValueError
+    if high < low:  # argparse's own words for a ValueError: "invalid node_counts value: '8-1'"
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a range goes from the smaller node count to the larger, e.g. {high}-{low}"
+        )
     return list(range(low, high + 1))
 
 

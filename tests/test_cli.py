@@ -222,6 +222,12 @@ BAD_INPUTS = [
         "plan: --gpu B200: no figures for this GPU kind; give one of the kinds flux_train/tools/measured.yaml has "
         "figures for: H200, H100, MI325X, MI355X",
     ),
+    (
+        "plan-node-range-backwards",
+        PLAN,
+        ["--config", "{root}/configs/systems/H200_01x08.yaml", "--nodes", "8-1"],
+        "argument --nodes: '8-1': a range goes from the smaller node count to the larger, e.g. 1-8",
+    ),
     ("results-no-such-run", RESULTS, ["{tmp}/nowhere"], "{tmp}/nowhere does not exist"),
     ("results-no-log", RESULTS, ["{tmp}/empty"], "no readable MLLOG in {tmp}/empty"),
     ("results-out-is-a-file", RESULTS, ["{tmp}/empty", "--out", "{tmp}/notes.txt"], "--out {tmp}/notes.txt is a file"),

@@ -566,9 +566,7 @@ def test_a_local_run_says_its_job_where_its_outputs_are_and_why_it_ended(tmp_pat
     proc = local_run(tmp_path, {"train.max_steps": 2}, {})
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    assert (
-        "finished at step 2, status aborted (train.max_steps 2 reached before an eval reached the target" in out + err
-    )
+    assert "finished at step 2, the step cap train.max_steps 2, before an eval reached the target" in out + err
     assert (
         out.splitlines()[-1]
         == f"submit --local: job local-{proc.pid} ended; the run's outputs are in {tmp_path / 'out'}"

@@ -38,7 +38,7 @@ def test_missing_dataset_is_named_with_the_host_and_nothing_starts(tmp_path):
 def test_a_fit_node_passes_and_trains(tmp_path):
     proc = train(tmp_path / "run", "--set", "data.source=synthetic")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "status aborted" in proc.stdout  # the step cap of 2 steps, not pre-flight
+    assert "the step cap train.max_steps 2" in proc.stdout  # not pre-flight
 
 
 def test_node_checks_name_disk_and_dataset_problems(tmp_path):

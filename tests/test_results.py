@@ -2,6 +2,7 @@
 run_stop times, batch size or samples counts (to test the score arithmetic and the RCP verdicts exactly)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,6 +141,15 @@ def test_fewer_than_ten_runs_say_so(runs, tmp_path):
     two = results.mlperf_score([real, slower])
     assert two.minutes == pytest.approx(real.minutes + 0.5)
     assert "plain mean of 2" in two.note
+
+
+def test_one_run_reads_one_run(runs, capsys):
+    """The README's debug run scored alone: "1 run given", "over 1 run" (it read "1 runs")."""
+    assert results.main([str(runs / "run_1"), "--out", str(runs)]) == 0
+    out = capsys.readouterr().out
+    assert "[NOT an MLPerf score (1 run given, flux1 needs 10); plain mean of 1" in out
+    assert re.search(r"^samples to converge: mean [\d,]+ over 1 run$", out, re.M), out
+    assert "NOT RUN: 1 readable run: its olympic mean needs at least 3" in out
 
 
 # ---------------------------------------------------------------------------------------------- compliance

@@ -246,13 +246,42 @@ def test_step_cap_ends_aborted_with_mllog_on_stdout_when_asked(tmp_path, capsys,
     ]
     assert main(argv) == 0
     logged = (tmp_path / "mllog.log").read_text().splitlines()
-    assert [line for line in capsys.readouterr().out.splitlines() if ":::MLLOG" in line] == logged
+    printed = capsys.readouterr().out.splitlines()
+    assert [line for line in printed if ":::MLLOG" in line] == logged
+    assert printed[-1] == (  # the step cap reads as what it is, not as "status aborted", MLLOG's word for it
+        "flux-train: finished at step 4, the step cap train.max_steps 4, before an eval reached the target 0.586 "
+        "(MLLOG's run_stop status: aborted)"
+    )
     events = read_events(tmp_path / "mllog.log")
     assert [e["metadata"]["status"] for e in events if e["key"] == "run_stop"] == ["aborted"]
     assert len([e for e in events if e["key"] == "eval_accuracy"]) == 2
     saved = list_checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in saved] == (["step_00000004"] if final else [])
     assert main(argv) == 2 and "holds a finished run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_rerun_after_a_kill_before_the_first_checkpoint_says_it_starts_over(tmp_path):
+    """Killed (SIGKILL) before its first checkpoint, the run has nothing to resume from: the same command starts
+    over, and now says so, and its records begin again."""
+    flags = ["data.source=synthetic", "eval.enabled=false", "logging.log_every=1", "checkpoint.every_steps=0"]
+    proc = subprocess.Popen(
+        train_command(tmp_path, *set_flags([*flags, "train.max_steps=1000"])),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    next(line for line in proc.stdout if line.startswith("step 2 "))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    again = train(tmp_path, *set_flags([*flags, "train.max_steps=3"]))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (
+        f"flux-train: {tmp_path} holds a run stopped before its first checkpoint: starting over at step 0 (mllog.log "
+        "and metrics.jsonl begin again)" in again.stdout.splitlines()
+    )
+    assert [row["step"] for row in metrics(tmp_path) if "loss" in row] == [1, 2, 3]
 
 
 def test_bad_config_exits_2_with_one_message(tmp_path, capsys):

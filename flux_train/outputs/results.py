@@ -235,6 +235,11 @@ def _captured_log():
 # ---------------------------------------------------------------------------------------------- across runs
 
 
+def counted(n: int, thing: str) -> str:
+    """'1 run', '3 runs'."""
+    return f"{n} {thing}{'' if n == 1 else 's'}"
+
+
 def mlperf_score(runs: list[Run]) -> Score:
     """Olympic mean of time-to-train as the result summarizer computes it: a run that did not converge or failed
     compliance is dropped as the slowest; with more than one such run there is no score."""
@@ -255,7 +260,7 @@ def mlperf_score(runs: list[Run]) -> Score:
     else:
         return Score(None, 0, "no score: no run converged with a compliant log")
     if len(runs) != RUNS_PER_SCORE:
-        how = f"NOT an MLPerf score ({len(runs)} runs given, flux1 needs {RUNS_PER_SCORE}); {how}"
+        how = f"NOT an MLPerf score ({counted(len(runs), 'run')} given, flux1 needs {RUNS_PER_SCORE}); {how}"
     return Score(statistics.fmean(r.minutes or 0.0 for r in kept), len(kept), how)
 
 
@@ -276,7 +281,8 @@ def check_rcp(runs: list[Run]) -> Rcp:
     if len(logs) < 3:
         return Rcp(
             "not run",
-            f"{len(logs)} readable run(s): its olympic mean needs at least 3 (a submission has {RUNS_PER_SCORE})",
+            f"{counted(len(logs), 'readable run')}: its olympic mean needs at least 3 (a submission has "
+            f"{RUNS_PER_SCORE})",
         )
     notes = (
         []
@@ -367,7 +373,8 @@ def print_summary(runs: list[Run], score: Score, samples: Samples, rcp: Rcp, plo
             if samples.not_converged
             else ""
         )
-        print(f"samples to converge: mean {samples.mean:,.0f} over {samples.runs} runs{olympic}{unconverged}")
+        runs_text = counted(samples.runs, "run")
+        print(f"samples to converge: mean {samples.mean:,.0f} over {runs_text}{olympic}{unconverged}")
     compliant = sum(1 for r in runs if r.compliance and r.compliance.passed)
     print(f"compliance checker ({USAGE} {RULESET}): {compliant}/{len(runs)} logs pass")
     factor = (

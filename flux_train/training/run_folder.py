@@ -76,7 +76,8 @@ def _claim(cfg: Config, world_size: int) -> Claim:
     gbs = cfg.train.global_batch_size
     step = checkpoint.read_progress(resume_from).step if resume_from else None
     resume_samples = None if step is None else step * gbs
-    if cfg.checkpoint.resume != "none" and finished(read_records(log), resume_samples, cfg.train.max_steps * gbs):
+    records = read_records(log)
+    if cfg.checkpoint.resume != "none" and finished(records, resume_samples, cfg.train.max_steps * gbs):
         raise ConfigError(
             f"{out} holds a finished run (run_stop in {log.name}); choose a new logging.out_dir, or set "
             "checkpoint.resume=none to start over in this one"
@@ -85,6 +86,12 @@ def _claim(cfg: Config, world_size: int) -> Claim:
     if step is not None:  # resuming
         cut_back(log, _samples_of, step * gbs)
         cut_back(out / METRICS_FILE, _step_of, step)
+    elif records and cfg.checkpoint.resume == "auto":  # an earlier start that saved nothing: say what happens to it
+        print(
+            f"flux-train: {out} holds a run stopped before its first checkpoint: starting over at step 0 "
+            f"({log.name} and {METRICS_FILE} begin again)",
+            flush=True,
+        )
     return Claim(resume_from)
 
 

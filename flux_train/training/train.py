@@ -326,13 +326,14 @@ class Trainer:
             self.pictures.after_eval(self.state.step)
         else:
             self.pictures.report()
-        why = {
-            Status.SUCCESS: f"an eval reached the target {cfg.eval.target}",
-            Status.ABORTED: f"train.max_steps {t.max_steps} reached before an eval reached the target {cfg.eval.target}",
-            Status.PREEMPTED: "Slurm's warning signal: checkpoint saved, the job requeues",
-            Status.DIVERGED: "a non-finite loss or gradient norm",
+        ended = {  # the step cap is a normal end for a user; "aborted" is the benchmark's word for it
+            Status.SUCCESS: f"status success (an eval reached the target {cfg.eval.target})",
+            Status.ABORTED: f"the step cap train.max_steps {t.max_steps}, before an eval reached the target "
+            f"{cfg.eval.target} (MLLOG's run_stop status: aborted)",
+            Status.PREEMPTED: "status preempted (Slurm's warning signal: checkpoint saved, the job requeues)",
+            Status.DIVERGED: "status diverged (a non-finite loss or gradient norm)",
         }[status]
-        self._say(f"finished at step {self.state.step}, status {status.value} ({why})")
+        self._say(f"finished at step {self.state.step}, {ended}")
         return status
 
     def _save_final(self, status: Status) -> None:
