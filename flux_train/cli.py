@@ -243,8 +243,7 @@ def plan_parser() -> Parser:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument(
         "--png",
-        default="plan.png",
-        help="the plot of time-to-train and samples/s per GPU against nodes (default ./plan.png)",
+        help="the plot of time-to-train and samples/s per GPU against nodes (default <logging.out_dir>/plan.png)",
     )
     return p
 

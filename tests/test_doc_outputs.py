@@ -1,6 +1,6 @@
 """What README.md and docs/*.md show a command printing is what it prints now. A block of output sits under a line
 `<!-- output of: COMMAND -->`; COMMAND runs in bash, in a scratch folder holding the repository's configs/ (so
-paths print as documented, and the plan's plot lands there), and the block must equal its standard output.
+paths print as documented), and the block must equal its standard output; it writes nothing there but under runs/.
 FLUX_DOCS_REGENERATE=1 writes the current output into the documents instead of failing.
 
 Every fenced block either names a language (bash, text, ...) or is such an output block: output that cannot be
@@ -97,6 +97,8 @@ def test_a_documented_output_is_what_the_command_prints(block, tmp_path):
     )
     printed = [line.rstrip() for line in done.stdout.rstrip("\n").splitlines()]
     assert printed, f"{block.command} printed nothing: {done.stderr[-2000:]}"
+    # what a documented command writes goes under the run's folder (the plan's plot was left where plan ran)
+    assert {p.name for p in tmp_path.iterdir()} <= {"configs", "bin", "runs"}
     if os.environ.get("FLUX_DOCS_REGENERATE"):
         replace_block(block, printed)
     lines = block.doc.read_text().splitlines()

@@ -3,7 +3,7 @@ step time, samples/s, time-to-train to the MLPerf target and checkpoint disk, fo
 
     python -m flux_train.plan --config configs/systems/H200_01x08.yaml [--nodes 1 2 8 | --nodes 1-8]
         [--set section.key=value] [--gpu H200] [--measured rows.jsonl] [--intra-gbps X] [--inter-gbps X]
-        [--rate SAMPLES_S_PER_GPU] [--check] [--json] [--png plan.png]
+        [--rate SAMPLES_S_PER_GPU] [--check] [--json] [--png FILE]
 
 Every number comes from an input printed beside it: flux_train/tools/measured.yaml (figures and bench rows per GPU
 kind, each with the command and date that produced it), a bench rows file (--measured, used ahead of the
@@ -751,11 +751,12 @@ def main(argv=None) -> int:
         c, why_not = sized(cfg, nodes)
         gpus = nodes * c.slurm.gpus_per_node
         plans.append({"nodes": nodes, "gpus": gpus, "error": why_not} if why_not else project(c, figs, rcp))
+    png = args.png or str(Path(cfg.logging.out_dir) / "plan.png")  # beside the run's outputs, not where plan ran
     if args.json:
         print(json.dumps({"config": args.config, "gpu": kind, "rcp": rcp, "plans": plans}, indent=1))
     else:
-        print_plan(args.config, cfg, figs, rcp, plans, args.png)
-    plot(plans, args.png, f"{Path(args.config).stem} on {kind}, GBS {rcp['gbs']}")
+        print_plan(args.config, cfg, figs, rcp, plans, png)
+    plot(plans, png, f"{Path(args.config).stem} on {kind}, GBS {rcp['gbs']}")
     return 0
 
 
