@@ -107,3 +107,41 @@ def test_a_documented_output_is_what_the_command_prints(block, tmp_path):
     assert shown == printed, (
         f"{block.where()} differs from what the command prints (FLUX_DOCS_REGENERATE=1 rewrites it)"
     )
+
+
+# a pytest plugin: how many tests the suite collects, how many need a GPU, and how many Slurm or podman (the launcher's
+# tests on a real Slurm and in real containers: the `slurm` marker, or the container engine's fixture)
+COUNTING = """
+def pytest_collection_finish(session):
+    gpu = [i for i in session.items if "gpu" in i.keywords]
+    launcher = [i for i in session.items if i not in gpu and ("slurm" in i.keywords or "engine" in i.fixturenames)]
+    print(f"COUNTS {len(session.items)} {len(gpu)} {len(launcher)}")
+"""
+
+
+@pytest.mark.slow
+def test_the_documents_count_the_tests_there_are(tmp_path):
+    """README.md and docs/testing.md say how many tests there are, how many need a GPU and how many Slurm and podman
+    (they skip without them), and what the last whole run gave; the counts are the suite's as pytest collects it now,
+    and that run's passed and skipped add up to them (the README said 668 passed, 11 skipped long after). A test
+    added or removed: update the counts (this test prints them) and the run, from a whole run."""
+    (tmp_path / "counting.py").write_text(COUNTING)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "counting"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    counts = re.search(r"^COUNTS (\d+) (\d+) (\d+)$", done.stdout, re.M)
+    assert counts, done.stdout[-2000:] + done.stderr[-2000:]
+    total, gpu, launcher = map(int, counts.groups())
+    for doc in (ROOT / "README.md", ROOT / "docs" / "testing.md"):
+        text = " ".join(doc.read_text().split())
+        stated = re.search(r"(\d+) tests, (\d+) of them on a GPU and (\d+) on Slurm and podman", text)
+        assert stated and tuple(map(int, stated.groups())) == (total, gpu, launcher), (
+            f"{doc.name} should say {total} tests, {gpu} of them on a GPU and {launcher} on Slurm and podman"
+        )
+        passed, skipped = map(int, re.search(r"(\d+) passed, (\d+) skipped", text).groups())
+        assert passed + skipped == total, f"{doc.name}: the last whole run's counts are not this suite's"

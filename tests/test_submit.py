@@ -565,6 +565,7 @@ def test_secrets_are_masked_in_the_dry_run_and_reach_the_job(capsys, tmp_path, m
     assert {"--env=WANDB_API_KEY=wandb_s3cr3t", "db_password=db_s3cr3t"} <= set(srun_argv(submitted))
 
 
+@pytest.mark.slurm  # submitit's SlurmExecutor needs srun
 def test_dry_run_script_is_the_one_submitit_submits(capsys, tmp_path):
     if shutil.which("srun") is None:
         pytest.skip("submitit's SlurmExecutor needs srun on PATH")
