@@ -31,6 +31,7 @@ BENCH_ROWS = {
     ),
     "step": ("stock", "ours"),
     "casts": ("ours-fp8-delayed", "ours-fp8-tensorwise"),
+    "collectives": ("all-gather", "reduce-scatter"),
 }
 RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
 
@@ -134,13 +135,15 @@ def bench_parser() -> Parser:
         choices=tuple(BENCH_ROWS),
         default="fwdbwd",
         help="fwdbwd: one GPU, forward+backward only; step: the whole training step under torchrun; casts: the "
-        "FP8 cast kernel alone at every operand shape of a step, against its byte floor",
+        "FP8 cast kernel alone at every operand shape of a step, against its byte floor; collectives: the bus "
+        "bandwidth of the layouts' all-gathers and reduce-scatters under torchrun, at the sizes they move",
     )
     p.add_argument(
         "--rows",
         default=None,
         help=f"comma-separated rows; fwdbwd: {', '.join(BENCH_ROWS['fwdbwd'])} (default stock,ours); "
-        f"step: {', '.join(BENCH_ROWS['step'])} (default stock,ours); casts: {', '.join(BENCH_ROWS['casts'])}",
+        f"step: {', '.join(BENCH_ROWS['step'])} (default stock,ours); casts: {', '.join(BENCH_ROWS['casts'])}; "
+        f"collectives: {', '.join(BENCH_ROWS['collectives'])}",
     )
     p.add_argument(
         "--batch", type=positive_int, default=16, help="fwdbwd batch (step mode uses train.micro_batch_size)"
@@ -157,7 +160,7 @@ def bench_parser() -> Parser:
         "--accum",
         type=positive_int,
         default=1,
-        help="step mode: micro-batches per optimizer step for the ours row (the stock step has none)",
+        help="step mode: micro-batches per optimizer step (stock: FSDP2's default, every micro-batch reduce-scattered)",
     )
     p.add_argument("--profile", action="store_true", help="add the GPU time per kernel kind to each row")
     p.add_argument(

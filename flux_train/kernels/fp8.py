@@ -82,24 +82,28 @@ def scaled_mm(
     b_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     fast_accum: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """a [M,K] row-major, b [K,N] column-major, scales [M,1]/[1,N] (or scalars) -> bf16 a @ b (+ bias, added in
-    the GEMM's epilogue). `fast_accum`: Hopper's FP8 tensor cores accumulate without promoting partial sums to
-    fp32 (faster; what Transformer Engine and torchao do in the forward, not for gradients)."""
-    if bias is not None:
-        bias = bias.to(torch.bfloat16)
+    """a [M,K] row-major, b [K,N] column-major, scales [M,1]/[1,N] (or scalars) -> a @ b (+ bias) in `out_dtype`
+    (bf16, or fp32 for a model computing in fp32). A bf16 output takes the bias in the GEMM's epilogue; an fp32 one
+    adds it after, in fp32 (the epilogue would round it to bf16). `fast_accum`: Hopper's FP8 tensor cores accumulate
+    without promoting partial sums to fp32 (faster; what Transformer Engine and torchao do in the forward, not for
+    gradients)."""
+    epilogue = bias.to(torch.bfloat16) if bias is not None and out_dtype == torch.bfloat16 else None
     if a.is_cuda:
-        return torch._scaled_mm(
+        out = torch._scaled_mm(
             a,
             b,
             scale_a=a_scale.reshape(-1, 1) if a_scale.dim() else a_scale,
             scale_b=b_scale.reshape(1, -1) if b_scale.dim() else b_scale,
-            bias=bias,
-            out_dtype=torch.bfloat16,
+            bias=epilogue,
+            out_dtype=out_dtype,
             use_fast_accum=fast_accum,
         )
-    out = (a.float() * a_scale) @ (b.float() * b_scale)
-    return (out if bias is None else out + bias.float()).to(torch.bfloat16)
+    else:
+        out = (a.float() * a_scale) @ (b.float() * b_scale)
+        out = (out if epilogue is None else out + epilogue.float()).to(out_dtype)
+    return out if bias is None or epilogue is not None else out + bias.to(out_dtype)
 
 
 @torch.library.custom_op("flux_train::scaled_mm_into", mutates_args=("out",))
@@ -125,13 +129,14 @@ class _TensorwiseLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, scales, amax, amax_grad, arrivals, arrivals_grad, dtype, sink):
         xq, xq_t, xs, wq, wq_t, ws = cast_transpose_pair(x2, weight, scales[0:2], amax, dtype, arrivals=arrivals)
-        ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
+        ctx.dtype, ctx.weight_dtype, ctx.x_dtype = dtype, weight.dtype, x2.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         # the backward's operands in the layouts it needs, in e4m3: half the bytes of the bf16 ones
         ctx.save_for_backward(xq_t, xs, wq_t, ws, scales, amax_grad)
         ctx.sink = sink  # not saved: every write into its bucket bumps the version counter the views share
         ctx.arrivals_grad = arrivals_grad  # not saved either: a counter, zero between calls
-        return scaled_mm(xq, xs, wq.t(), ws, bias, fast_accum=True)
+        # the output in x's dtype: an fp32 model stays fp32 after its FP8 layers (attention included)
+        return scaled_mm(xq, xs, wq.t(), ws, bias, fast_accum=True, out_dtype=x2.dtype)
 
     @staticmethod
     def backward(ctx, dy):  # pyright: ignore[reportIncompatibleMethodOverride] - one output, one gradient
@@ -142,7 +147,7 @@ class _TensorwiseLinear(torch.autograd.Function):
         dyq, dyq_t, dys, dbias = cast_transpose(
             dy.contiguous(), scales[2], amax_grad, ctx.dtype, column_sums=with_bias, arrivals=ctx.arrivals_grad
         )
-        dx = scaled_mm(dyq, dys, wq_t.t(), ws)  # dX = dY @ W, W as [N,K] column-major
+        dx = scaled_mm(dyq, dys, wq_t.t(), ws, out_dtype=ctx.x_dtype)  # dX = dY @ W, W as [N,K] column-major
         # dW = dY^T @ X, X as [M,K] column-major
         if sink is None:
             dw = scaled_mm(dyq_t, dys, xq_t.t(), xs).to(ctx.weight_dtype)
@@ -160,7 +165,7 @@ class _RowwiseLinear(torch.autograd.Function):
         wq, ws = quantize(weight, 1, dtype)  # per output channel
         # rowwise backward scales run along the other axis and need the high-precision operands
         ctx.save_for_backward(x2, weight)
-        return scaled_mm(xq, xs, wq.t(), ws.t())
+        return scaled_mm(xq, xs, wq.t(), ws.t(), out_dtype=x2.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # pyright: ignore[reportIncompatibleMethodOverride] - one gradient
@@ -169,7 +174,7 @@ class _RowwiseLinear(torch.autograd.Function):
         dyq, dys = quantize(dy, 1, ctx.dtype)  # per token (over N)
         dyq0, dys0 = quantize(dy, 0, ctx.dtype)  # per column, over the tokens
         xq0, xs0 = quantize(x2, 0, ctx.dtype)
-        dx = scaled_mm(dyq, dys, _column_major(wq), ws)  # dX = dY @ W
+        dx = scaled_mm(dyq, dys, _column_major(wq), ws, out_dtype=x2.dtype)  # dX = dY @ W
         dw = scaled_mm(dyq0.t().contiguous(), dys0.t(), _column_major(xq0), xs0)  # dY^T X
         return dx, dw.to(ctx.weight_dtype), None
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -306,6 +307,60 @@ def run_casts(cfg: Config, args, row: str) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------ collectives
+
+
+def layout_messages(cfg: Config) -> list[tuple[str, int, torch.dtype]]:
+    """(what, elements, dtype) of the messages the layouts send within a node: FSDP gathers one block's weights in
+    the compute dtype and reduce-scatters its gradients in the reduction dtype (bf16 or fp32), a double or single
+    block at a time."""
+    model = build_model(cfg.model)
+    sizes = {
+        "double block": sum(p.numel() for p in model.double_blocks[0].parameters()),
+        "single block": sum(p.numel() for p in model.single_blocks[0].parameters()),
+    }
+    return [(f"{what}, {str(dtype).removeprefix('torch.')}", n, dtype) for what, n in sizes.items()
+            for dtype in (torch.bfloat16, torch.float32)]  # fmt: skip
+
+
+def collective_seconds(row: str, n: int, dtype: torch.dtype, world: int) -> float:
+    """Seconds of one `row` collective of n elements (the gathered or the reduced size) over every rank."""
+    full = torch.empty(n, dtype=dtype, device="cuda")
+    shard = torch.empty(n // world, dtype=dtype, device="cuda")
+
+    def op():
+        if row == "all-gather":
+            dist.all_gather_into_tensor(full, shard)
+        else:
+            dist.reduce_scatter_tensor(shard, full)
+
+    for _ in range(3):
+        op()
+    dist.barrier()
+    return timed_events(lambda: [op() for _ in range(10)]) / 10
+
+
+def run_collectives(cfg: Config, args, row: str) -> dict:
+    """Bus bandwidth (NCCL's definition: bytes x (n - 1) / n per second) of `row` over every rank, at each layout
+    message size: the figure the planner divides a layout's traffic by."""
+    world = dist.get_world_size()
+    sizes = []
+    for what, n, dtype in layout_messages(cfg):
+        n -= n % world
+        seconds = collective_seconds(row, n, dtype, world)
+        nbytes = n * dtype.itemsize
+        busbw = nbytes * (world - 1) / world / seconds / 1e9
+        sizes.append([what, round(nbytes / 1e6), round(seconds * 1000, 3), round(busbw, 1)])
+    return {
+        "mode": "collectives",
+        "row": row,
+        "world": world,
+        "batch": 0,
+        "sizes": sizes,
+        "busbw_gbps": round(statistics.fmean(s[3] for s in sizes), 1),
+    }
+
+
 # ------------------------------------------------------------------------------------ training step
 
 
@@ -339,6 +394,9 @@ def run_step(cfg: Config, args, row: str) -> dict:
         "ms": round(seconds * 1000, 1),
         "samples_s_per_gpu": round(mb * args.accum / seconds, 2),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        # the allocator's own peak, and how often it had to free its cache and retry (each a device sync)
+        "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1),
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         "warm_s": round(warm, 1),
     }
     if profile:
@@ -485,8 +543,9 @@ def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, tuple | None]:
     kw = diffusers_inputs(kw)
 
     def step():
-        loss = flow.mse_loss(model(**kw)[0], target)
-        loss.backward()
+        for _ in range(args.accum):  # FSDP2's default: each micro-batch's gradients reduce-scattered and summed
+            loss = flow.mse_loss(model(**kw)[0], target) / args.accum
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -513,7 +572,7 @@ def main(argv=None) -> int:
         raise UserError(f"--rows: unknown row '{unknown[0]}' for --mode {args.mode}; choose from {', '.join(known)}")
     if not torch.cuda.is_available():
         raise UserError("python -m flux_train.bench measures GPUs and none is visible here (--table FILE needs none)")
-    if args.mode != "step" and len(rows) > 1 and not args.same_process:  # one GPU: each row in a process of its own
+    if args.mode in ("fwdbwd", "casts") and len(rows) > 1 and not args.same_process:  # each row in its own process
         return run_rows_apart(rows, sys.argv[1:] if argv is None else list(argv))
     return measure(cfg, args, rows)
 
@@ -537,7 +596,7 @@ def run_rows_apart(rows: list[str], argv: list[str]) -> int:
 def measure(cfg: Config, args, rows: list[str]) -> int:
     """The rows in this process (every rank of a step row under torchrun)."""
     torch.backends.cuda.matmul.allow_tf32 = True
-    if args.mode == "step" and not dist.is_initialized():
+    if args.mode in ("step", "collectives") and not dist.is_initialized():
         dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # each rank measures its own GPU
     ceiling = matmul_ceiling()
@@ -548,9 +607,8 @@ def measure(cfg: Config, args, rows: list[str]) -> int:
     for row in rows:
         error = None
         try:
-            result = {"fwdbwd": run_fwdbwd, "step": run_step, "casts": run_casts}[args.mode](
-                load_config(args.config, args.overrides), args, row
-            )
+            run = {"fwdbwd": run_fwdbwd, "step": run_step, "casts": run_casts, "collectives": run_collectives}
+            result = run[args.mode](load_config(args.config, args.overrides), args, row)
         except Exception as exc:  # noqa: BLE001 - every failure of a row becomes its one line
             error = exc
             result = {"mode": args.mode, "row": row, "batch": row_batch(cfg, args), "error": row_error(exc)}
@@ -567,7 +625,7 @@ def measure(cfg: Config, args, rows: list[str]) -> int:
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(result) + "\n")
-        if error is not None and (args.mode == "step" or not usable_after(error)):
+        if error is not None and (dist.is_initialized() or not usable_after(error)):
             # the other ranks wait in a collective (torchrun ends them), or this process's CUDA context is lost
             os._exit(1)
         free_memory()

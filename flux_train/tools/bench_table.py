@@ -111,7 +111,8 @@ def print_table(rows: list[dict]) -> None:
         f"{'vs stock':>8s} {'step eff':>8s} {'eval/s/GPU':>10s}"
     )
     casts = [r for r in rows if r["mode"] == "casts"]
-    rows = [r for r in rows if r["mode"] != "casts"]
+    collectives = [r for r in rows if r["mode"] == "collectives"]
+    rows = [r for r in rows if r["mode"] not in ("casts", "collectives")]
     for r in rows:
         name = r.get("label", r["row"]) + (f" [{r['precision']}]" if "precision" in r else "")
         name += f" {r['attention']}" if r.get("attention") and not r["row"].startswith("stock") else ""
@@ -139,6 +140,10 @@ def print_table(rows: list[dict]) -> None:
         )
         for m, k, count, us, gbps in r["shapes"]:
             print(f"  {m:6d} x {k:6d} x{count:4d}: {us:8.1f} us {gbps:6d} GB/s")
+    for r in collectives:
+        print(f"\n{r['row']} over {r['world']} GPUs: bus bandwidth {r['busbw_gbps']} GB/s (mean of the sizes)")
+        for what, mb, ms, gbps in r["sizes"]:
+            print(f"  {what:26s} {mb:7d} MB {ms:9.3f} ms {gbps:7.1f} GB/s")
     profiled = [r for r in rows if "profile" in r]
     if profiled:
         kinds = list(profiled[0]["profile"])
