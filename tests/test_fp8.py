@@ -86,7 +86,7 @@ def test_cast_kernel_matches_its_torch_reference(shape, history_scale, fp8, coun
     q, qt, s, sums = (
         t.cpu()
         for t in _cast_transpose_triton(
-            x.to(DEVICE), scale.to(DEVICE), amax_k, arrivals, torch.float32, fmax, True, True
+            x.to(DEVICE), scale.to(DEVICE), amax_k, arrivals, torch.float32, fmax, True, True, True
         )
     )
     if counted:
@@ -131,7 +131,7 @@ def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales, c
         for i, t in enumerate((x, w)):
             amax = prior[i : i + 1].to(DEVICE)
             q, qt, s, _ = _cast_transpose_triton(
-                t.to(DEVICE), scale_t[i].to(DEVICE), amax, no_counts(), torch.float32, 448.0, True, False
+                t.to(DEVICE), scale_t[i].to(DEVICE), amax, no_counts(), torch.float32, 448.0, True, False, True
             )
             singles.append((q.cpu(), qt.cpu(), s.cpu(), amax.cpu()))
         assert torch.equal(xq, singles[0][0]) and torch.equal(xq_t, singles[0][1])
@@ -143,6 +143,23 @@ def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales, c
         tq = cast_transpose_pair(x, w, scale_t, amax_t, E4M3, impl="torch")
         assert torch.equal(tq[2], xs) and torch.equal(tq[5], ws) and torch.equal(amax_t, amax_pair.cpu())
         assert torch.equal(tq[3].float(), wq.to(E4M3).float()) and torch.equal(tq[1], tq[0].t())
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_cast_kernel_writes_only_the_transpose_when_asked(counted):
+    """The backward's cast of a weight gathered again (FP8Linear.recast_weight) writes only the transposed layout,
+    with the same values, scale and amax as the full cast."""
+    from flux_train.kernels.fp8_cast import _cast_transpose_triton
+
+    x = torch.randn(100, 200) * 3
+    both, one = (
+        [t.cpu() for t in _cast_transpose_triton(
+            x.to(DEVICE), torch.tensor(0.01, device=DEVICE), torch.zeros(1, device=DEVICE),
+            counts() if counted else no_counts(), torch.float32, 448.0, True, False, rows,
+        )]
+        for rows in (True, False)
+    )  # fmt: skip
+    assert one[0].numel() == 0 and torch.equal(one[1], both[1]) and torch.equal(one[2], both[2])
 
 
 def test_cast_kernel_keeps_nan_and_casts_zeros_to_zeros():
@@ -160,6 +177,7 @@ def test_cast_kernel_keeps_nan_and_casts_zeros_to_zeros():
             448.0,
             True,
             False,
+            True,
         )
         return [t.cpu() for t in out[:3]]
 
@@ -298,6 +316,37 @@ def test_fp8_linear_forward_and_grads_track_full_precision(recipe):
             p.grad = None
         if scaling is not None:
             scaling.update()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_linear_casting_its_weight_again_in_backward_computes_the_same(recipe, dtype):
+    """FSDP's FP8 layers cast the weight again in the backward (recast_weight) instead of keeping its e4m3 copy: the
+    same bits, so the same output and gradients, over steps with and without a history; the output and the input
+    gradient come in the input's dtype (an fp32 model stays fp32 past its FP8 layers)."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 64, generator=g) * 0.05, torch.randn(96, generator=g)
+    batches = [(torch.randn(4, 32, 64, generator=g).to(dtype), torch.randn(4, 32, 96, generator=g)) for _ in range(3)]
+    grads = {}
+    for recast in (False, True):
+        lin = nn.Linear(64, 96).to(dtype)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+        convert_to_fp8(lin, recipe, E4M3, lambda fqn, m: True)
+        lin.recast_weight = recast
+        scaling = FP8Scaling.of(lin, torch.device("cpu"))
+        grads[recast] = []
+        for x, dy in batches:
+            x = x.clone().requires_grad_()
+            y = lin(x)
+            y.backward(dy.to(y.dtype))
+            assert y.dtype == x.grad.dtype == dtype
+            grads[recast] += [y.detach(), x.grad, lin.weight.grad, lin.bias.grad]
+            lin.weight.grad = lin.bias.grad = None
+            if scaling is not None:
+                scaling.update()
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
 
 
 @pytest.mark.parametrize("impl", ["ours", "torchao"])

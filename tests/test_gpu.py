@@ -192,6 +192,65 @@ def test_fp8_linear_on_tensor_cores_matches_its_cpu_emulation(recipe):
         assert ((gpu - cpu).norm() / cpu.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", ["zero", "normal"])  # a gated layer's dY at init is zero; later it is not
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
+def test_fp8_linear_at_the_debug_models_sizes_matches_its_cpu_emulation(recipe, grad, dtype):
+    """The debug model's FP8 layers on tensor cores: fewer columns than the cast kernel's tile (64 < 128), fp32 or
+    bf16 activations, and an all-zero output gradient (the zero-initialised gates of step 1): finite, and what the
+    CPU emulation computes, over three steps (delayed: the later ones from the history)."""
+    from torch import nn
+
+    from flux_train.kernels.fp8 import FP8Scaling, convert_to_fp8
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 320, generator=g) * 0.05
+    batches = [
+        (torch.randn(8, 32, 320, generator=g).to(dtype), torch.randn(8, 32, 64, generator=g) * (grad == "normal"))
+        for _ in range(3)
+    ]
+    results = {}
+    for device in ("cpu", "cuda"):
+        lin = nn.Linear(320, 64).to(dtype)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            lin.bias.zero_()
+        lin = convert_to_fp8(lin.to(device), recipe, torch.float8_e4m3fn, lambda fqn, m: True)
+        scaling = FP8Scaling.of(lin, torch.device(device))
+        results[device] = []
+        for x, dy in batches:
+            xd = x.detach().to(device).requires_grad_()
+            y = lin(xd)
+            y.backward(dy.to(device, y.dtype))
+            results[device] += [t.float().cpu() for t in (y, xd.grad, lin.weight.grad, lin.bias.grad)]
+            lin.weight.grad = lin.bias.grad = None
+            if scaling is not None:
+                scaling.update()
+    for i, (cpu, gpu) in enumerate(zip(results["cpu"], results["cuda"])):
+        what = ("y", "dx", "dw", "dbias")[i % 4], i // 4
+        assert torch.isfinite(gpu).all(), what
+        assert (gpu - cpu).norm().item() <= 1e-2 * cpu.norm().item() + 1e-6, what
+
+
+def test_fp8_cast_of_an_all_zero_tensor_narrower_than_a_tile():
+    """An all-zero fp32 tensor with fewer columns than the kernel's tile, cast without a history by the last program
+    to arrive (a gated layer's dY at step 1): zeros in both layouts, the floor scale, the count reset."""
+    from flux_train.kernels.fp8 import device_e4m3
+    from flux_train.kernels.fp8_cast import TINY_AMAX, cast_transpose
+
+    fp8 = device_e4m3(torch.device("cuda"))
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((256, 64), (256, 320), (64, 320)):
+            x = torch.zeros(*shape, device="cuda", dtype=dtype)
+            arrivals = torch.zeros(1, dtype=torch.int32, device="cuda")
+            scale, amax = torch.zeros((), device="cuda"), torch.zeros(1, device="cuda")
+            q, qt, s, sums = cast_transpose(x, scale, amax, fp8, column_sums=True, arrivals=arrivals)
+            where = (dtype, shape)
+            assert torch.equal(q.float(), x.float()) and torch.equal(qt.float(), x.t().float()), where
+            assert s.item() == pytest.approx(TINY_AMAX / torch.finfo(fp8).max) and amax.item() == 0, where
+            assert arrivals.item() == 0 and torch.equal(sums, torch.zeros(shape[1], device="cuda")), where
+
+
 def test_fp8_delayed_blocks_compiled_and_graphed_match_eager():
     """Delayed-scaling FP8 blocks under per-block torch.compile (the cast kernels are custom ops; dY's amax is
     written in the backward) and inside a CUDA graph train like the eager blocks: losses, gradients and the

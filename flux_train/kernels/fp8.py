@@ -13,7 +13,8 @@ Recipes (`perf.fp8`):
   channel in forward; dY per token and W per input channel for dX; dY and X per column for dW), the recipe
   that keeps outlier channels from flattening everything else (torch ops).
 Weights stay bf16/fp32 masters; only GEMM inputs are cast. Accumulation is fp32 in the tensor cores
-(torch._scaled_mm) and outputs are bf16; the backward keeps the FP8 operands it needs, not the bf16 ones.
+(torch._scaled_mm) and outputs come in the input's dtype; the backward keeps the FP8 operands it needs, not the bf16
+ones (under FSDP, `recast_weight`: the weight's are cast again from the weight gathered for the backward).
 A layer given a `wgrad_sink` (a flat tensor of the weight's size and dtype: the ddp layout's gradient bucket slice)
 has its tensorwise weight-gradient GEMM write there and hands autograd a view of it, so the gradient is not
 copied into the bucket afterwards (flux_train.training.ddp).
@@ -124,15 +125,18 @@ class _TensorwiseLinear(torch.autograd.Function):
     """x2 @ weight^T + bias with one scale per tensor. `scales` [3] (x, w, dY; 0 = current scaling) are read,
     `amax` [2] (x, w) and `amax_grad` [1] (dY) raised to this call's maxima; the weight gradient is written
     into `sink` where one is given. `arrivals` [2] and `arrivals_grad` [1] (or None) are the casts' counts
-    (kernels/fp8_cast.py)."""
+    (kernels/fp8_cast.py). `recast_weight`: the backward casts the weight again (at the forward's scale, the same
+    bits) instead of keeping its e4m3 transpose from the forward: under FSDP the weight is gathered again for the
+    backward anyway, and the kept copies were one byte per parameter of the whole model on every rank."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, scales, amax, amax_grad, arrivals, arrivals_grad, dtype, sink):
+    def forward(ctx, x2, weight, bias, scales, amax, amax_grad, arrivals, arrivals_grad, dtype, sink, recast_weight):
         xq, xq_t, xs, wq, wq_t, ws = cast_transpose_pair(x2, weight, scales[0:2], amax, dtype, arrivals=arrivals)
         ctx.dtype, ctx.weight_dtype, ctx.x_dtype = dtype, weight.dtype, x2.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.recast_weight = recast_weight
         # the backward's operands in the layouts it needs, in e4m3: half the bytes of the bf16 ones
-        ctx.save_for_backward(xq_t, xs, wq_t, ws, scales, amax_grad)
+        ctx.save_for_backward(xq_t, xs, weight if recast_weight else wq_t, ws, scales, amax, amax_grad)
         ctx.sink = sink  # not saved: every write into its bucket bumps the version counter the views share
         ctx.arrivals_grad = arrivals_grad  # not saved either: a counter, zero between calls
         # the output in x's dtype: an fp32 model stays fp32 after its FP8 layers (attention included)
@@ -140,7 +144,9 @@ class _TensorwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):  # pyright: ignore[reportIncompatibleMethodOverride] - one output, one gradient
-        xq_t, xs, wq_t, ws, scales, amax_grad = ctx.saved_tensors
+        xq_t, xs, wq_t, ws, scales, amax, amax_grad = ctx.saved_tensors
+        if ctx.recast_weight:  # wq_t is the weight: its transpose at the forward's scale (its maximum is already in)
+            _, wq_t, _, _ = cast_transpose(wq_t, ws, amax[1:2], ctx.dtype, rows=False)
         sink = ctx.sink
         with_bias = ctx.bias_dtype is not None
         # the bias gradient (dY's column sums) comes from the same read of dY as its casts
@@ -154,7 +160,7 @@ class _TensorwiseLinear(torch.autograd.Function):
         else:  # a new view (also in a compiled graph), held by autograd alone, becomes the .grad as it is
             scaled_mm_into(dyq_t, dys, xq_t.t(), xs, sink)
             dw = sink.view(dyq_t.shape[0], xq_t.shape[0])
-        return dx, dw, dbias.to(ctx.bias_dtype) if with_bias else None, None, None, None, None, None, None, None
+        return dx, dw, dbias.to(ctx.bias_dtype) if with_bias else None, None, None, None, None, None, None, None, None
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -188,6 +194,7 @@ class FP8Linear(nn.Linear):
     fp8_dtype: torch.dtype = E4M3
     history: int = 16
     wgrad_sink: torch.Tensor | None = None  # flat; where the tensorwise recipes write the weight gradient (ddp sets it)
+    recast_weight: bool = False  # cast the weight again in backward instead of keeping its e4m3 copy (fsdp sets it)
     # buffers FP8Scaling.of registers
     fp8_scale: torch.Tensor
     fp8_amax: torch.Tensor
@@ -214,7 +221,7 @@ class FP8Linear(nn.Linear):
         # delayed: the casts go without an amax kernel (a history is there on all but a few steps)
         counts = (self.fp8_arrivals, self.fp8_arrivals_grad) if self.recipe == "delayed" else (None, None)
         y = _TensorwiseLinear.apply(
-            x2, weight, self.bias, self.fp8_scale, amax, amax_grad, *counts, self.fp8_dtype, sink
+            x2, weight, self.bias, self.fp8_scale, amax, amax_grad, *counts, self.fp8_dtype, sink, self.recast_weight
         )
         return y.reshape(*x.shape[:-1], n)
 

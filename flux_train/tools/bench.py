@@ -99,6 +99,12 @@ def timed(step, steps: int, warmup: int = 3) -> tuple[float, float]:
     return (time.perf_counter() - t0) / steps, warm
 
 
+def warmup_steps(args) -> int:
+    """Untimed steps before a step row's timed ones (compile, autotune, the allocator's pools), and profiled ones:
+    three micro-batches' worth, however many micro-batches a step holds."""
+    return -(-3 // args.accum)
+
+
 def free_memory() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -433,12 +439,12 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, dict]:
     torch.cuda.reset_peak_memory_stats()
     trainer.warm_up(max(trainer.cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
     startup = settle_fp8(trainer) if trainer.fp8 is not None else None
-    seconds, warm = timed(trainer.train_step, args.steps)
+    seconds, warm = timed(trainer.train_step, args.steps, warmup_steps(args))
     measured: dict = {"graphs": trainer.graphed is not None}
     if startup is not None:  # what the steps before every history was full took beyond steady steps
         steps, startup_s = startup
         measured["fp8_startup"] = {"steps": steps, "extra_s": round(startup_s - steps * seconds, 2)}
-    profile = profile_breakdown(trainer.train_step) if args.profile else None
+    profile = profile_breakdown(trainer.train_step, warmup_steps(args)) if args.profile else None
     trainer.evaluator.loss(0)  # warm: eval shapes compile once
     torch.cuda.synchronize()
     e0 = time.perf_counter()
@@ -551,8 +557,8 @@ def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, tuple | None]:
         opt.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    seconds, warm = timed(step, args.steps)
-    return seconds, warm, profile_breakdown(step) if args.profile else None
+    seconds, warm = timed(step, args.steps, warmup_steps(args))
+    return seconds, warm, profile_breakdown(step, warmup_steps(args)) if args.profile else None
 
 
 # ------------------------------------------------------------------------------------ the table
