@@ -233,8 +233,9 @@ def test_fp8_linear_at_the_debug_models_sizes_matches_its_cpu_emulation(recipe, 
 
 
 def test_fp8_cast_of_an_all_zero_tensor_narrower_than_a_tile():
-    """An all-zero fp32 tensor with fewer columns than the kernel's tile, cast without a history by the last program
-    to arrive (a gated layer's dY at step 1): zeros in both layouts, the floor scale, the count reset."""
+    """An all-zero tensor with fewer columns than the kernel's tile, cast without a history (a gated layer's dY at
+    step 1; bf16 by the last program to arrive, fp32 in torch ops): zeros in both layouts, the floor scale, the
+    count untouched or reset."""
     from flux_train.kernels.fp8 import device_e4m3
     from flux_train.kernels.fp8_cast import TINY_AMAX, cast_transpose
 
