@@ -389,10 +389,12 @@ def run_step(cfg: Config, args, row: str) -> dict:
             "precision": precision_of("ours", cfg),
             **({"fp8_impl": cfg.perf.fp8_impl} if cfg.perf.fp8 != "none" else {}),
             "strategy": cfg.parallel.strategy,
+            "activation_checkpointing": cfg.parallel.activation_checkpointing,
             **measured,
             "label": (
                 f"ours {cfg.parallel.strategy}"
                 + (" + graphs" if measured["graphs"] else "")
+                + (" + checkpointing" if cfg.parallel.activation_checkpointing else "")
                 + (f", accumulation {args.accum}" if args.accum > 1 else "")
             ),
         }
