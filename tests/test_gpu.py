@@ -2,6 +2,7 @@
 eager (model and trainer), the attention backend, FP8 on tensor cores against its CPU emulation. The Triton
 kernels' own tests (tests/test_kernels.py) run on a GPU or in Triton's CPU interpreter."""
 
+import math
 import time
 
 import pytest
@@ -396,3 +397,40 @@ def test_trainer_graphed_steps_equal_eager_steps(tmp_path, nproc):
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-2)
     assert runs[True][1] == pytest.approx(runs[False][1], rel=2e-2)
     assert len(runs[True][2]) == 3 and runs[True][2] == pytest.approx(runs[False][2], rel=1e-2)
+
+
+@pytest.mark.slow
+def test_four_ranks_in_either_layout_and_precision_train_like_one_rank(tmp_path):
+    """The whole model's layouts at four ranks, at the debug model's size: fsdp and ddp, bf16 and FP8 delayed (whose
+    scales are the maxima over every rank, as one rank's over its four micro-batches), trained from the same weights
+    and micro-batches as one rank accumulating four: the same losses and grad norms over 5 steps, to bf16 rounding."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    base = {
+        "data.source": "synthetic",
+        "train.device": "cuda",
+        "train.compute_dtype": "bfloat16",
+        "perf.compile": "block",
+        "perf.warmup_iters": 1,
+        "perf.warmup_latent_size": 8,
+        "train.max_steps": 5,
+        "train.micro_batch_size": 4,
+        "train.global_batch_size": 16,
+        "eval.enabled": "false",
+        "logging.log_every": 1,
+        "logging.progress_bar": "false",
+        "checkpoint.every_steps": 0,
+    }
+    for fp8 in ("none", "delayed"):
+        curves = {}
+        for strategy, nproc in (("fsdp", 1), ("fsdp", 4), ("ddp", 4)):
+            out = tmp_path / f"{fp8}-{strategy}-{nproc}"
+            sets = base | {"parallel.strategy": strategy, "perf.fp8": fp8}
+            proc = train(out, *set_flags(sets), nproc=nproc, timeout=300)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            curves[strategy, nproc] = column(out, "loss"), column(out, "grad_norm")
+        one = curves["fsdp", 1]
+        assert len(one[0]) == 5 and all(map(math.isfinite, one[0] + one[1])), fp8
+        for key in (("fsdp", 4), ("ddp", 4)):
+            assert curves[key][0] == pytest.approx(one[0], rel=2e-2), (fp8, key)
+            assert curves[key][1] == pytest.approx(one[1], rel=5e-2), (fp8, key)
