@@ -143,7 +143,10 @@ def main(argv=None) -> int:
         check_single_file_target(cfg.model, out)
     path = find_checkpoint(Path(args.checkpoint))
     quiet_diffusers()  # before the reads: DCP's note on reading in one process
-    (export_single_file if args.format == "bfl" else export_checkpoint)(cfg, path, out)
+    if args.format == "bfl":
+        export_single_file(cfg, path, out)
+    else:
+        export_checkpoint(cfg, path, out)
     difference = check_export(cfg.model, read_weights(cfg, path), out, args.format)
     print(
         f"exported {path} -> {out} (loaded back with {LOADERS[args.format]}; its forward pass differs from the "
