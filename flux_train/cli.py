@@ -260,13 +260,24 @@ def checkpoint_parser() -> Parser:
     sub = p.add_subparsers(dest="command", required=True)
     ex = sub.add_parser(
         "export",
-        help="write a checkpoint's model as a diffusers FluxTransformer2DModel folder",
+        help="write a checkpoint's model as a diffusers folder or a black-forest-labs .safetensors file",
         description="Write a checkpoint's model as a diffusers FluxTransformer2DModel folder (config.json + "
-        "safetensors), without a GPU or a process group.",
+        "safetensors) or as one .safetensors file in the layout black-forest-labs released FLUX.1 in (ComfyUI, "
+        "Forge, diffusers' from_single_file), without a GPU or a process group. The export is loaded back as "
+        "diffusers loads it and one forward pass compared with the checkpoint's model before the command succeeds.",
     )
     ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
     ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
-    ex.add_argument("--out", required=True, help="the diffusers folder to write (config.json + safetensors)")
+    ex.add_argument(
+        "--out", required=True, help="the folder (--format diffusers) or .safetensors file (--format bfl) to write"
+    )
+    ex.add_argument(
+        "--format",
+        choices=["diffusers", "bfl"],
+        default="diffusers",
+        help="diffusers: a FluxTransformer2DModel folder (from_pretrained; the default); bfl: one .safetensors file "
+        "like flux1-schnell.safetensors (ComfyUI, Forge, FluxTransformer2DModel.from_single_file)",
+    )
     add_overrides(ex)
     return p
 

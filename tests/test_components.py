@@ -76,14 +76,25 @@ def test_a_pass_is_seeded_by_the_eval_index_and_counts_every_val_sample_once(eva
     _, parts = eval_parts
     evaluator = Evaluator(**parts)
     parts["model"].train()
-    first, count = evaluator.loss(0)
-    assert count == VAL_SAMPLES  # the padded slot of the last batch is not counted
-    assert evaluator.loss(0) == (first, count)  # the same noise again
-    assert evaluator.loss(1)[0] != first  # the next eval draws fresh noise
+    first = evaluator.loss(0)
+    assert first.count == VAL_SAMPLES  # the padded slot of the last batch is not counted
+    assert evaluator.loss(0) == first  # the same noise again
+    assert evaluator.loss(1).loss != first.loss  # the next eval draws fresh noise
     assert parts["model"].training  # the pass leaves the model as it found it
     parts["model"].eval()
     evaluator.loss(0)
     assert not parts["model"].training
+
+
+def test_the_loss_of_each_timestep_averages_to_the_val_loss_weighted_by_its_samples(eval_parts):
+    """Val sample i is noised at t = (i mod 8) / 8: of 11 samples, t = 0, 1/8, 2/8 have two each, the others one.
+    Each t's loss is its own sum over its own count (the last batch's padding sits in t = 0's bin, counted in none)."""
+    _, parts = eval_parts
+    val = Evaluator(**parts | {"val": build_synthetic(debug_config("data.synthetic_val_samples=11"), 0, 1).val}).loss(0)
+    counts = {k / 8: 2 if k < 3 else 1 for k in range(8)}
+    assert val.count == 11 and list(val.by_timestep) == list(counts)
+    assert sum(counts[t] * loss for t, loss in val.by_timestep.items()) / 11 == pytest.approx(val.loss, rel=1e-12)
+    assert len(set(val.by_timestep.values())) == 8  # each t its own loss
 
 
 def test_an_eval_logs_its_events_and_row_then_calls_after_eval_unless_it_reached_the_target(eval_parts, tmp_path):
@@ -100,6 +111,7 @@ def test_an_eval_logs_its_events_and_row_then_calls_after_eval_unless_it_reached
     samples = 25 * cfg.train.global_batch_size
     (row,) = rows
     assert row["step"] == 25 and row["samples"] == samples and row["val_loss"] > 0
+    assert list(row["val_loss_by_t"]) == [0.0, 0.125, 0.25, 0.375, 0.5]  # 5 val samples: t = 0/8 .. 4/8
     assert parts["heartbeat"].state == (25, "eval")  # a hung eval is named as one
     records = read_records(tmp_path / "mllog.log")
     assert [r["key"] for r in records] == ["eval_start", "eval_accuracy", "eval_stop"]

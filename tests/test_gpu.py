@@ -60,6 +60,26 @@ def assert_grads_close(a, b):
         assert (a[name] - b[name]).abs().max().item() <= 0.05 * scale, name
 
 
+def test_a_grid_holds_one_block_s_weights_on_the_gpu_at_a_time():
+    """The sampler's transformer blocks wait on the CPU and go to the GPU only while they run (a grid is drawn beside
+    a training run's state); afterwards each holds its CPU tensors again."""
+    from flux_train.tools.sample import on_device_while_running
+
+    blocks = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(8)))  # 16 MiB each
+    kept = [p.data for p in blocks.parameters()]
+    held = []
+    for block in blocks:
+        on_device_while_running(block, torch.device("cuda"))
+        block.register_forward_hook(lambda *_: held.append(torch.cuda.memory_allocated()), prepend=True)
+    x = torch.ones(4, 2048, device="cuda")
+    before = torch.cuda.memory_allocated()
+    assert blocks(x).device.type == "cuda"
+    one_block = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
+    assert len(held) == 8 and max(held) - before <= one_block + 2**20  # one block's weights and an activation
+    assert all(p.data is data for p, data in zip(blocks.parameters(), kept))
+    assert torch.cuda.memory_allocated() - before <= 2**20  # the output alone
+
+
 def test_compiled_and_graphed_steps_match_eager():
     select_attention_backend("flash")
     torch.manual_seed(0)

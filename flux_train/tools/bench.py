@@ -450,7 +450,7 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, dict]:
     trainer.evaluator.loss(0)  # warm: eval shapes compile once
     torch.cuda.synchronize()
     e0 = time.perf_counter()
-    _, count = trainer.evaluator.loss(0)
+    count = trainer.evaluator.loss(0).count
     eval_rate = count / (time.perf_counter() - e0) / dist.get_world_size()
     if args.checkpoint:
         print("CHECKPOINT " + json.dumps(checkpoint_timings(trainer, args, seconds)), flush=True)
