@@ -15,13 +15,19 @@ Per GPU, with P parameters, S GPUs sharing the optimizer state (a node) and R re
 - memory: ddp holds the weights and a gradient buffer in the compute dtype and 12 P / S bytes of fp32 master
   weights and AdamW moments (flux_train/training/ddp.py); fsdp holds 12 P / S, the fp32 gradient shards between
   micro-batches when accumulating, and two blocks' gathered weights (flux_train/training/fsdp.py). Our FP8
-  (perf.fp8 delayed or tensorwise) keeps one byte per FP8 parameter from forward to backward (the transposed e4m3
-  weights). Activations: micro-batch x blocks x the figure per sample and block of one-GPU forward+backward rows
-  (their peak less the weights and FP8 weights; rows whose peak is the weights and their gradients are left out).
-- step: compute (samples x FLOPs per sample at the forward+backward FLOP rate measured nearest that batch) +
-  optimizer (ms per 1e9 parameters of the shard) + the exposed part of the traffic within the node (bytes per
-  step by layout over the bus bandwidth, times the fraction left exposed in the step rows of this kind) + the
-  all-reduce across nodes (exposed: it runs after backward).
+  (perf.fp8 delayed or tensorwise) under ddp keeps one byte per FP8 parameter from forward to backward (the
+  transposed e4m3 weights; with activation checkpointing a block's at a time); under fsdp none (the backward casts
+  the weights it gathers again). Activations:
+  micro-batch x blocks x the figure per sample and block of one-GPU forward+backward rows (their peak less the
+  weights and e4m3 copies; rows whose peak is the weights and their gradients are left out). With activation
+  checkpointing (parallel.activation_checkpointing) each block keeps only its input between forward and backward
+  (text + image tokens x hidden width in the compute dtype: 3.0 MiB per sample for flux-schnell), and one block at
+  a time holds its activations (the figure per sample and block) while it is recomputed and its backward runs.
+- step: compute (samples x FLOPs per sample at the forward+backward FLOP rate measured nearest that batch; with
+  activation checkpointing x 4/3: every block's forward again, a third of forward + backward as flops_per_sample
+  counts them) + optimizer (ms per 1e9 parameters of the shard) + the exposed part of the traffic within the node
+  (bytes per step by layout over the bus bandwidth, times the fraction left exposed in the step rows of this kind,
+  layout and, where there are any, precision) + the all-reduce across nodes (exposed: it runs after backward).
 - time-to-train: the RCP's samples to converge for the GBS as steps, an eval every ceil(262144 / GBS) steps at
   the measured eval rate, and the checkpoint stalls. The warm-up before run_start is off the clock.
 """
