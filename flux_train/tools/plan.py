@@ -17,12 +17,12 @@ Per GPU, with P parameters, S GPUs sharing the optimizer state (a node) and R re
   micro-batches when accumulating, and two blocks' gathered weights (flux_train/training/fsdp.py). Our FP8
   (perf.fp8 delayed or tensorwise) under ddp keeps one byte per FP8 parameter from forward to backward (the
   transposed e4m3 weights; with activation checkpointing a block's at a time); under fsdp none (the backward casts
-  the weights it gathers again). Activations:
-  micro-batch x blocks x the figure per sample and block of one-GPU forward+backward rows (their peak less the
-  weights and e4m3 copies; rows whose peak is the weights and their gradients are left out). With activation
-  checkpointing (parallel.activation_checkpointing) each block keeps only its input between forward and backward
-  (text + image tokens x hidden width in the compute dtype: 3.0 MiB per sample for flux-schnell), and one block at
-  a time holds its activations (the figure per sample and block) while it is recomputed and its backward runs.
+  the weights it gathers again). Activations: micro-batch x blocks x the figure per sample and block of one-GPU
+  forward+backward rows (their peak less the weights and e4m3 copies; rows whose peak is the weights and their
+  gradients are left out). With activation checkpointing (parallel.activation_checkpointing) each block keeps
+  only its input between forward and backward (text + image tokens x hidden width in the compute dtype: 3.0 MiB
+  per sample for flux-schnell), and one block at a time holds its activations (the figure per sample and block)
+  while it is recomputed and its backward runs.
 - step: compute (samples x FLOPs per sample at the forward+backward FLOP rate measured nearest that batch; with
   activation checkpointing x 4/3: every block's forward again, a third of forward + backward as flops_per_sample
   counts them) + optimizer (ms per 1e9 parameters of the shard) + the exposed part of the traffic within the node
