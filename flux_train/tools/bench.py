@@ -221,6 +221,7 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
         "warm_s": round(warm, 1),
         "graphs": graphs,
+        "activation_checkpointing": cfg.parallel.activation_checkpointing and not row.startswith("stock"),
     }
     if result["precision"] != "bf16":
         result["fp8_impl"] = row_perf(cfg, row).fp8_impl
