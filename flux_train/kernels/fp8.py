@@ -246,7 +246,8 @@ class FP8Scaling:
     and the scales [3] the next step casts with: max(history) * 2^margin / max(e4m3), 0 while the history is
     empty (current scaling). All ranks agree on them (this step's maxima are all-reduced), so a checkpoint holds
     one copy. `overflows` counts (layer, operand) pairs whose step maximum exceeded what its scale could hold
-    (those values saturated); `layer_overflows` [layers, 3] counts them by pair (not checkpointed)."""
+    (those values saturated); `saturations` [layers, 3] counts, by pair, the steps whose maximum exceeded it by
+    more than an e4m3 step (1/8): the overflows that lose more than the format's own rounding (not checkpointed)."""
 
     def __init__(self, layers: list[FP8Linear], margin: int, device: torch.device):
         self.layers, self.margin = layers, margin
@@ -255,7 +256,7 @@ class FP8Scaling:
         self.scales = [m.fp8_scale for m in layers]
         self.maxima = [m.fp8_amax for m in layers] + [m.fp8_amax_grad for m in layers]  # [2] each, then [1]
         self.overflows = torch.zeros((), dtype=torch.int64, device=device)
-        self.layer_overflows = torch.zeros(len(layers), 3, dtype=torch.int64, device=device)
+        self.saturations = torch.zeros(len(layers), 3, dtype=torch.int64, device=device)
 
     @classmethod
     def of(cls, model: nn.Module, device: torch.device, margin: int = 0) -> FP8Scaling | None:
@@ -281,9 +282,10 @@ class FP8Scaling:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(step, op=dist.ReduceOp.MAX)
         used = torch.stack(self.scales)
-        overflowed = (used > 0) & (step > used * self.fmax)
-        self.layer_overflows += overflowed
+        held = used * self.fmax
+        overflowed = (used > 0) & (step > held)
         self.overflows += overflowed.sum()
+        self.saturations += overflowed & (step > held * (1 + 2**-3))
         history = torch.cat([step[..., None], torch.stack(self.histories)[..., :-1]], dim=-1)
         torch._foreach_copy_(self.histories, list(history.unbind(0)))
         torch._foreach_copy_(self.scales, list(self._scales(history).unbind(0)))
@@ -302,7 +304,7 @@ class FP8Scaling:
         """No history (after warm-up steps on synthetic data): the next step scales from current maxima."""
         torch._foreach_zero_(self.histories + self.scales + self.maxima)
         self.overflows.zero_()
-        self.layer_overflows.zero_()
+        self.saturations.zero_()
 
     def state_dict(self) -> dict:
         return {"history": torch.stack(self.histories).cpu(), "overflows": self.overflows.cpu()}

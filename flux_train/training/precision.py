@@ -17,6 +17,7 @@ converters. In the order a run calls it:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -98,17 +99,19 @@ class NoFP8:
 
 
 class TorchaoFP8(NoFP8):
-    """perf.fp8_impl=torchao: torchao's Float8Linear, current scaling (its own casts; no state)."""
+    """perf.fp8_impl=torchao: torchao's Float8Linear, current scaling (its own casts; no state). Off a GPU, its
+    emulation (a dequantised matmul, as ours: torch's CPU FP8 GEMM took 2 s a step of the debug model)."""
 
-    def __init__(self, recipe: Recipe):
-        self.recipe = recipe
+    def __init__(self, recipe: Recipe, device: torch.device):
+        self.recipe, self.device = recipe, device
 
     def convert(self, model: nn.Module) -> nn.Module:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+        config = Float8LinearConfig.from_recipe_name(self.recipe.name)
         return convert_to_float8_training(
             model,
-            config=Float8LinearConfig.from_recipe_name(self.recipe.name),
+            config=dataclasses.replace(config, emulate=self.device.type != "cuda"),
             module_filter_fn=lambda module, fqn: is_token_linear(fqn, module),
         )
 
@@ -168,12 +171,12 @@ class DelayedFP8(OurFP8):
         return {"fp8_overflows": int(self.scaling.overflows)}
 
     def warning(self, step: int) -> str | None:
-        """Once a run: the (layer, operand) pairs whose step maximum overflowed their delayed scale in at least half
-        the steps of a window of `history` steps or more. The first window starts at the first call once the
-        histories have filled (the first `history` steps, whose overflows are expected)."""
+        """Once a run: the (layer, operand) pairs whose values saturated beyond e4m3's rounding (FP8Scaling's
+        `saturations`) in at least a quarter of the steps of a window of `history` steps or more. The first window
+        starts at the first call once the histories have filled (the first `history` steps, which overflow most)."""
         if self.warned or step < self.history:
             return None
-        counts = self.scaling.layer_overflows.cpu()
+        counts = self.scaling.saturations.to("cpu", copy=True)  # a copy on the CPU too: the count goes on
         if self.mark is None:
             self.mark = (step, counts)
             return None
@@ -181,16 +184,16 @@ class DelayedFP8(OurFP8):
         if step - start < self.history:
             return None
         self.mark = (step, counts)
-        persistent = ((counts - before) * 2 >= step - start).nonzero().tolist()
+        persistent = ((counts - before) * 4 >= step - start).nonzero().tolist()
         if not persistent:
             return None
         self.warned = True
         named = ", ".join(f"{self.names[i]} {OPERANDS[j]}" for i, j in persistent[:3])
         more = f" and {len(persistent) - 3} more" if len(persistent) > 3 else ""
         return (
-            f"FP8 delayed scaling: {len(persistent)} of {counts.numel()} (layer, operand) maxima overflowed their "
-            f"scale in at least half of steps {start + 1}-{step} ({named}{more}): their largest values saturate; "
-            f"perf.fp8_margin={self.margin + 1} doubles the headroom"
+            f"FP8 delayed scaling: the values of {len(persistent)} of {counts.numel()} (layer, operand) pairs "
+            f"saturated in at least a quarter of steps {start + 1}-{step} ({named}{more}): their maxima outgrow "
+            f"the amax history; perf.fp8_margin={self.margin + 1} doubles the headroom"
         )
 
 
@@ -200,7 +203,7 @@ def precision_for(perf: PerfConfig, device: torch.device) -> Precision:
     if not recipe.fp8:
         return NoFP8()
     if perf.fp8_impl == "torchao":
-        return TorchaoFP8(recipe)
+        return TorchaoFP8(recipe, device)
     if recipe.history:
         return DelayedFP8(recipe, device, perf.fp8_amax_history, perf.fp8_margin)
     return OurFP8(recipe, device)
