@@ -11,8 +11,8 @@ converters. In the order a run calls it:
 - `state_dict()` / `load_state_dict()`: the checkpoint's `precision` part; a state this precision cannot take
   (another recipe's, another set of layers or history length) raises errors.StateMisfit saying so;
 - `metrics()` and `warning(step)`, at logging boundaries (a host sync): numbers for metrics.jsonl
-  (`fp8_overflows`), and one line, once, when delayed scales overflow persistently (docs/operating.md,
-  "Operating a run").
+  (`fp8_overflows`), and one line, once, when FP8 values keep saturating under delayed scaling
+  (docs/operating.md, "Operating a run").
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class DelayedFP8(OurFP8):
     def __init__(self, recipe: Recipe, device: torch.device, history: int, margin: int):
         super().__init__(recipe, device, history)
         self.margin = margin
-        self.mark: tuple[int, torch.Tensor] | None = None  # (step, per-pair overflows) where warning's window starts
+        self.mark: tuple[int, torch.Tensor] | None = None  # (step, saturations by pair) where warning's window starts
         self.warned = False
 
     def attach(self, model: nn.Module) -> None:
