@@ -363,15 +363,18 @@ def load(path: Path, parts: dict[str, Stateful]) -> None:
     layout.load_state_dict(state)
     parts["progress"].load_state_dict(progress)
     for name, part in parts.items():
+        if name in OWN:
+            continue
         try:
-            saved = None if name in OWN else _saved(path, progress, name, rank)
+            saved = _saved(path, progress, name, rank)
         except Exception as exc:  # noqa: BLE001 - a cut or garbled file fails in many ways
             raise CheckpointError(
                 f"checkpoint {path}: the {name} state could not be read ({brief(exc)}); {fix}"
             ) from None
+        if saved is None:
+            continue
         try:
-            if saved is not None:
-                part.load_state_dict(saved)
+            part.load_state_dict(saved)
         except StateMisfit as exc:
             if rank == 0:
                 print(
