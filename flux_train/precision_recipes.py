@@ -14,7 +14,9 @@ class Recipe:
     impls: tuple[str, ...]  # the perf.fp8_impl values that run it
     history: bool  # scales from an amax history of earlier steps (delayed scaling): checkpointed, settles in
     per_row: bool  # one scale per row of each operand (else one per tensor)
-    e4m3_weights: tuple[str, ...]  # the impls that keep each FP8 weight's e4m3 copy from forward to backward
+    # the impls whose layers can keep each FP8 weight's e4m3 copy from forward to backward (ours do under ddp; under
+    # fsdp, which gathers the weights again for the backward, they cast them again: FP8Linear.recast_weight)
+    e4m3_weights: tuple[str, ...]
     label: str  # the precision column of bench rows and tables
 
     @property
