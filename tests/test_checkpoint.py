@@ -259,8 +259,8 @@ def test_a_bfl_export_is_black_forest_labs_single_file_and_loads_with_from_singl
             p.add_(0.02 * torch.randn_like(p))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        state = replace(TrainState.of_run(cfg, 1), step=1)
-        saved = checkpoint.Checkpointer(tmp_path / "checkpoints", keep=1).save(state, ModelOnly(model.state_dict()), {})
+        parts = {"progress": TrainState.of_run(cfg, 1), "layout": ModelOnly(model.state_dict())}
+        saved = checkpoint.Checkpointer(tmp_path / "checkpoints", keep=1).save(1, parts)
     finally:
         dist.destroy_process_group()
     del model
