@@ -13,6 +13,7 @@ from dataprep.cli import add_encoder_arguments
 from dataprep.format import IMAGE_SIZE
 from flux_train.config import CONFIG_DIR, ContainerConfig, add_overrides
 from flux_train.errors import Parser, positive_int, positive_number
+from flux_train.precision_recipes import fp8_rows
 
 # the rows each bench mode can measure (flux_train/tools/bench.py runs them)
 BENCH_ROWS = {
@@ -20,17 +21,14 @@ BENCH_ROWS = {
         "stock-eager",
         "stock",
         "ours",
-        "ours-fp8-delayed",
-        "ours-fp8-tensorwise",
-        "ours-fp8-rowwise",
-        "torchao-fp8-tensorwise",
-        "torchao-fp8-rowwise",
+        *fp8_rows("ours"),
+        *fp8_rows("torchao"),
         "ours-no-graphs",
         "ours-no-compile",
         "ours-torch-rmsnorm",
     ),
     "step": ("stock", "ours"),
-    "casts": ("ours-fp8-delayed", "ours-fp8-tensorwise"),
+    "casts": fp8_rows("ours", per_row=False),  # the recipes our cast kernel serves
     "collectives": ("all-gather", "reduce-scatter"),
 }
 RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])

@@ -4,7 +4,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -91,6 +90,7 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
 
     import torch.distributed as dist
 
+    from flux_train.data.sources import build_data
     from flux_train.model.flux import build_model, reference_init
     from flux_train.training.distributed import build_mesh
     from flux_train.training.layout import build_training
@@ -104,14 +104,16 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
         )
         training.assign_weights(reference_init(model, 0, "cpu"))
         monkeypatch.setattr(checkpoint.dcp, "save", dying_save)
+        loader = build_data(cfg, 0, 1).train
+        parts = {"progress": TrainState.of_run(cfg, 1), "layout": training, "loader": loader}
         with pytest.raises(KeyboardInterrupt):
-            checkpoint.Checkpointer(root, keep=5).save(replace(TrainState.of_run(cfg, 1), step=6), training, {})
+            checkpoint.Checkpointer(root, keep=5).save(6, parts)
         monkeypatch.undo()
         assert (root / "step_00000006.tmp").is_dir()
         latest = checkpoint.resolve_resume(cfg, 1)
         assert latest.name == "step_00000004"
-        state, loader = checkpoint.load(latest, training)
-        assert state.step == 4 and loader == {"consumed": 4}
+        checkpoint.load(latest, parts)
+        assert parts["progress"].step == 4 and loader.state_dict() == {"consumed": 4}
     finally:
         dist.destroy_process_group()
     # and a real resume continues from step 4
@@ -257,8 +259,8 @@ def test_a_bfl_export_is_black_forest_labs_single_file_and_loads_with_from_singl
             p.add_(0.02 * torch.randn_like(p))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        state = replace(TrainState.of_run(cfg, 1), step=1)
-        saved = checkpoint.Checkpointer(tmp_path / "checkpoints", keep=1).save(state, ModelOnly(model.state_dict()), {})
+        parts = {"progress": TrainState.of_run(cfg, 1), "layout": ModelOnly(model.state_dict())}
+        saved = checkpoint.Checkpointer(tmp_path / "checkpoints", keep=1).save(1, parts)
     finally:
         dist.destroy_process_group()
     del model

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from flux_train.config import ModelConfig, ParallelConfig
+from flux_train.config import ModelConfig, ParallelConfig, PerfConfig
 from flux_train.kernels.fp8 import FP8Linear, FP8Scaling, convert_to_fp8, e4m3_dtype, quantize
 from flux_train.kernels.fp8_cast import cast_transpose_torch
 
@@ -356,11 +356,11 @@ def test_fp8_conversion_swaps_only_the_token_linears_and_keeps_the_weights(impl)
     from torchao.float8.float8_linear import Float8Linear
 
     from flux_train.model.flux import build_model, materialize
-    from flux_train.training.perf import apply_fp8
+    from flux_train.training.precision import precision_for
 
     model = materialize(build_model(TINY), torch.device("cpu"), seed=0)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    apply_fp8(model, "tensorwise", impl, torch.device("cpu"))
+    precision_for(PerfConfig(fp8="tensorwise", fp8_impl=impl), torch.device("cpu")).convert(model)
     fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, (FP8Linear, Float8Linear)))
     assert fp8 == [
         "double_blocks.0.img_attn.proj",
@@ -383,7 +383,7 @@ def test_our_fp8_linears_carry_the_platform_format():
     model = build_model(TINY)
     convert_to_fp8(model, "rowwise", torch.float8_e4m3fnuz, is_token_linear)
     fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
-    assert fp8 and all(m.fp8_dtype == torch.float8_e4m3fnuz and m.recipe == "rowwise" for m in fp8)
+    assert fp8 and all(m.fp8_dtype == torch.float8_e4m3fnuz and m.recipe.per_row for m in fp8)
 
 
 def test_shapes_not_divisible_by_16_fall_back_to_bf16():
@@ -410,15 +410,17 @@ def test_ddp_writes_fp8_weight_gradients_into_its_buckets_as_autograd_computes_t
     from flux_train.model.flux import build_model, materialize
     from flux_train.training.ddp import DDP
     from flux_train.training.distributed import build_mesh
-    from flux_train.training.perf import apply_fp8, compile_blocks
+    from flux_train.training.perf import compile_blocks
+    from flux_train.training.precision import precision_for
 
     device = torch.device(DEVICE)
     model = materialize(build_model(TINY), device, seed=0).bfloat16()
     with torch.no_grad():  # the reference init zeroes the last layers, and with them every block's gradient
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    apply_fp8(model, "delayed", "ours", device)
-    FP8Scaling.of(model, device)
+    precision = precision_for(PerfConfig(fp8="delayed"), device)
+    precision.convert(model)
+    precision.attach(model)
     reference = copy.deepcopy(model)
     weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     compile_blocks(model, "block" if compiled else "none")

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flux_train.kernels.fp8_cast import cast_transpose, cast_transpose_pair
+from flux_train.precision_recipes import RECIPES, Recipe
 
 E4M3 = torch.float8_e4m3fn
 
@@ -190,7 +191,7 @@ class FP8Linear(nn.Linear):
     tensorwise recipes read their scales from `fp8_scale` and write this step's maxima into `fp8_amax` /
     `fp8_amax_grad` (buffers made by `FP8Scaling.of`; outside a training forward, into fresh ones)."""
 
-    recipe: str = "delayed"
+    recipe: Recipe  # perf.fp8's, set by convert_to_fp8
     fp8_dtype: torch.dtype = E4M3
     history: int = 16
     wgrad_sink: torch.Tensor | None = None  # flat; where the tensorwise recipes write the weight gradient (ddp sets it)
@@ -210,23 +211,23 @@ class FP8Linear(nn.Linear):
         if n % 16 or k % 16 or m % 16:
             return F.linear(x, self.weight, self.bias)
         x2, weight = x.reshape(m, k), self.weight.to(x.dtype)
-        if self.recipe == "rowwise":
+        if self.recipe.per_row:
             y = _RowwiseLinear.apply(x2, weight, self.fp8_dtype).reshape(*x.shape[:-1], n)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         # delayed scaling records the maxima of training steps only; current scaling needs fresh maxima
-        record = self.recipe == "delayed" and torch.is_grad_enabled()
+        record = self.recipe.history and torch.is_grad_enabled()
         amax = self.fp8_amax if record else torch.zeros(2, device=x.device)
         amax_grad = self.fp8_amax_grad if record else torch.zeros(1, device=x.device)
         sink = self.wgrad_sink if self.weight.dtype == x.dtype else None  # the gradient is the parameter's own
         # delayed: the casts go without an amax kernel (a history is there on all but a few steps)
-        counts = (self.fp8_arrivals, self.fp8_arrivals_grad) if self.recipe == "delayed" else (None, None)
+        counts = (self.fp8_arrivals, self.fp8_arrivals_grad) if self.recipe.history else (None, None)
         y = _TensorwiseLinear.apply(
             x2, weight, self.bias, self.fp8_scale, amax, amax_grad, *counts, self.fp8_dtype, sink, self.recast_weight
         )
         return y.reshape(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe}, fp8={self.fp8_dtype}"
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, fp8={self.fp8_dtype}"
 
 
 def convert_to_fp8(model: nn.Module, recipe: str, dtype: torch.dtype, module_filter, history: int = 16) -> nn.Module:
@@ -236,7 +237,7 @@ def convert_to_fp8(model: nn.Module, recipe: str, dtype: torch.dtype, module_fil
         if module_filter(fqn, module) and type(module) is nn.Linear:
             module.__class__ = FP8Linear
             fp8 = typing.cast(FP8Linear, module)
-            fp8.recipe, fp8.fp8_dtype, fp8.history = recipe, dtype, history
+            fp8.recipe, fp8.fp8_dtype, fp8.history = RECIPES[recipe], dtype, history
     return model
 
 
@@ -245,7 +246,8 @@ class FP8Scaling:
     and the scales [3] the next step casts with: max(history) * 2^margin / max(e4m3), 0 while the history is
     empty (current scaling). All ranks agree on them (this step's maxima are all-reduced), so a checkpoint holds
     one copy. `overflows` counts (layer, operand) pairs whose step maximum exceeded what its scale could hold
-    (those values saturated)."""
+    (those values saturated); `saturations` [layers, 3] counts, by pair, the steps whose maximum exceeded it by
+    more than an e4m3 step (1/8): the overflows that lose more than the format's own rounding (not checkpointed)."""
 
     def __init__(self, layers: list[FP8Linear], margin: int, device: torch.device):
         self.layers, self.margin = layers, margin
@@ -254,6 +256,7 @@ class FP8Scaling:
         self.scales = [m.fp8_scale for m in layers]
         self.maxima = [m.fp8_amax for m in layers] + [m.fp8_amax_grad for m in layers]  # [2] each, then [1]
         self.overflows = torch.zeros((), dtype=torch.int64, device=device)
+        self.saturations = torch.zeros(len(layers), 3, dtype=torch.int64, device=device)
 
     @classmethod
     def of(cls, model: nn.Module, device: torch.device, margin: int = 0) -> FP8Scaling | None:
@@ -267,7 +270,7 @@ class FP8Scaling:
             m.register_buffer("fp8_history", torch.zeros(3, m.history, device=device), persistent=False)
             m.register_buffer("fp8_arrivals", torch.zeros(2, dtype=torch.int32, device=device), persistent=False)
             m.register_buffer("fp8_arrivals_grad", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
-        delayed = [m for m in layers if m.recipe == "delayed"]
+        delayed = [m for m in layers if m.recipe.history]
         return cls(delayed, margin, device) if delayed else None
 
     @torch.no_grad()
@@ -279,7 +282,10 @@ class FP8Scaling:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(step, op=dist.ReduceOp.MAX)
         used = torch.stack(self.scales)
-        self.overflows += ((used > 0) & (step > used * self.fmax)).sum()
+        held = used * self.fmax
+        overflowed = (used > 0) & (step > held)
+        self.overflows += overflowed.sum()
+        self.saturations += overflowed & (step > held * (1 + 2**-3))
         history = torch.cat([step[..., None], torch.stack(self.histories)[..., :-1]], dim=-1)
         torch._foreach_copy_(self.histories, list(history.unbind(0)))
         torch._foreach_copy_(self.scales, list(self._scales(history).unbind(0)))
@@ -298,6 +304,7 @@ class FP8Scaling:
         """No history (after warm-up steps on synthetic data): the next step scales from current maxima."""
         torch._foreach_zero_(self.histories + self.scales + self.maxima)
         self.overflows.zero_()
+        self.saturations.zero_()
 
     def state_dict(self) -> dict:
         return {"history": torch.stack(self.histories).cpu(), "overflows": self.overflows.cpu()}

@@ -1,6 +1,6 @@
 """The run report: `report.png` in the run folder, drawn from its metrics.jsonl (rank 0, at every eval and at the
-end of a run): training loss, validation loss against the target, validation loss by timestep t, and samples/s per
-GPU, over training samples.
+end of a run): training loss (and, with FP8 delayed scaling, the scale overflows counted so far), validation loss
+against the target, validation loss by timestep t, and samples/s per GPU, over training samples.
 
 The plotted numbers also travel inside the PNG (text chunk `flux_train.outputs.report`, JSON), so a reader (or a test)
 can check them against metrics.jsonl without the run folder.
@@ -34,6 +34,7 @@ def series(rows: list[dict], global_batch_size: int) -> dict:
         "samples_per_s_per_gpu": [
             [r["step"] * global_batch_size, r["samples_per_s_per_gpu"]] for r in rows if "samples_per_s_per_gpu" in r
         ],
+        "fp8_overflows": [[r["step"] * global_batch_size, r["fp8_overflows"]] for r in rows if "fp8_overflows" in r],
     }
 
 
@@ -59,6 +60,12 @@ def write_report(run_dir: Path, global_batch_size: int, target: float) -> Path:
     if data["train_loss"]:
         train_ax.plot(*zip(*data["train_loss"]), color="tab:blue", marker=".")
     train_ax.set(ylabel="training loss", title="training loss (mean over each logging window)")
+    overflows = data["fp8_overflows"]
+    if overflows:  # FP8 delayed scaling: a count that keeps climbing after the first steps saturates values
+        count_ax = train_ax.twinx()
+        count_ax.plot(*zip(*overflows), color="tab:red", linewidth=1)
+        count_ax.set_ylabel("FP8 scale overflows (total)", color="tab:red")
+        train_ax.set_title(f"training loss (mean over each logging window); FP8 overflows: {overflows[-1][1]:,}")
     val = data["val_loss"]
     draw_val_loss(val_ax, {"validation loss": val}, target)
     reached = " (target reached)" if val and val[-1][1] <= target else ""

@@ -42,13 +42,14 @@ from flux_train.cli import BENCH_ROWS, bench_parser
 from flux_train.config import Config, PerfConfig, graphs_on, load_config
 from flux_train.data.sources import synthetic_samples
 from flux_train.errors import UserError, reports_user_errors
-from flux_train.kernels.fp8 import FP8Scaling
 from flux_train.model import flow
 from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.model.flux import build_model, flops_per_sample, init_weights, is_token_linear
+from flux_train.precision_recipes import RECIPES, fp8_row
 from flux_train.tools.bench_table import kernel_breakdown, precision_of, print_table, read_rows
 from flux_train.training.distributed import is_out_of_memory
 from flux_train.training.perf import CudaGraph, prepare_model, select_attention_backend, torch_default_attention
+from flux_train.training.precision import DelayedFP8, NoFP8, precision_for
 
 
 def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
@@ -149,10 +150,9 @@ def stock_flux(cfg: Config, device: str):
 def row_perf(cfg: Config, row: str) -> PerfConfig:
     """The perf settings one of our fwdbwd rows runs with: the config's, with the row's FP8 recipe or ablation, and
     CUDA graphs where the trainer would capture its step with that recipe (config.graphs_on)."""
-    perf = cfg.perf
-    if "-fp8-" in row:
-        impl, _, recipe = row.partition("-fp8-")
-        perf = replace(perf, fp8=recipe, fp8_impl=impl)
+    perf, fp8 = cfg.perf, fp8_row(row)
+    if fp8 is not None:
+        perf = replace(perf, fp8_impl=fp8[0], fp8=fp8[1].name)
     return replace(
         perf,
         cuda_graphs=graphs_on(replace(cfg, perf=perf), "cuda") and row != "ours-no-graphs",
@@ -162,14 +162,14 @@ def row_perf(cfg: Config, row: str) -> PerfConfig:
 
 
 def fwdbwd_model(cfg: Config, row: str):
-    """(forward(kw) -> output, module, use CUDA graphs, FP8 delayed scaling or None) for a fwdbwd row: ours as the
-    trainer assembles it (perf.prepare_model), graphed where the trainer's step would be (config.graphs_on)."""
+    """(forward(kw) -> output, module, use CUDA graphs, its precision) for a fwdbwd row: ours as the trainer
+    assembles it (perf.prepare_model), graphed where the trainer's step would be (config.graphs_on)."""
     if row.startswith("stock"):
         # diffusers decorates ModelMixin.to with functools.wraps(nn.Module.to): typeshed's _Wrapped binds no self
         model = stock_flux(cfg, "cuda").to(torch.bfloat16)  # pyright: ignore[reportArgumentType] - wraps, above
         if row == "stock":
             model.compile_repeated_blocks(fullgraph=True)
-        return lambda kw: model(**diffusers_inputs(kw))[0], model, False, None
+        return lambda kw: model(**diffusers_inputs(kw))[0], model, False, NoFP8()
     perf = row_perf(cfg, row)
     model = build_model(cfg.model, perf.rmsnorm)
     model.to_empty(device="cuda")
@@ -178,9 +178,10 @@ def fwdbwd_model(cfg: Config, row: str):
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     model.to(torch.bfloat16)
-    prepare_model(model, perf, cfg.parallel.activation_checkpointing, torch.device("cuda"))
-    scaling = FP8Scaling.of(model, torch.device("cuda"), perf.fp8_margin)
-    return lambda kw: model(**kw), model, perf.cuda_graphs, scaling
+    precision = precision_for(perf, torch.device("cuda"))
+    prepare_model(model, perf, cfg.parallel.activation_checkpointing, precision)
+    precision.attach(model)
+    return lambda kw: model(**kw), model, perf.cuda_graphs, precision
 
 
 def row_attention(cfg: Config, row: str) -> str:
@@ -191,7 +192,7 @@ def row_attention(cfg: Config, row: str) -> str:
 def run_fwdbwd(cfg: Config, args, row: str) -> dict:
     attention = row_attention(cfg, row)
     kw, target = synthetic_inputs(cfg, args.batch, args.text_len, args.latent)
-    forward, module, graphs, scaling = fwdbwd_model(cfg, row)
+    forward, module, graphs, precision = fwdbwd_model(cfg, row)
     params = list(module.parameters())
 
     def step():
@@ -199,8 +200,7 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
             p.grad = None
         loss = flow.mse_loss(forward(kw), target)
         loss.backward()
-        if scaling is not None:  # what a training step adds: the next step's scales
-            scaling.update()
+        precision.after_step()  # what a training step adds: FP8 delayed scaling's next scales
         return loss.detach()
 
     def release():  # the warm-up's gradients: the capture allocates its own
@@ -223,7 +223,7 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
         "graphs": graphs,
         "activation_checkpointing": cfg.parallel.activation_checkpointing and not row.startswith("stock"),
     }
-    if result["precision"] != "bf16":
+    if precision.recipe.fp8:
         result["fp8_impl"] = row_perf(cfg, row).fp8_impl
     if args.profile:
         result["profile"], result["top_kernels"] = profile_breakdown(run)
@@ -284,8 +284,8 @@ def run_casts(cfg: Config, args, row: str) -> dict:
     from flux_train.kernels.fp8 import device_e4m3
     from flux_train.kernels.fp8_cast import cast_transpose
 
-    fp8 = device_e4m3(torch.device("cuda"))
-    delayed = row == "ours-fp8-delayed"
+    fp8, found = device_e4m3(torch.device("cuda")), fp8_row(row)
+    delayed = found is not None and found[1].history
     rate = copy_rate()
     shapes = token_gemm_operands(cfg, args.batch, args.text_len, (args.latent // 2) ** 2)
     per_shape, total, floor = [], 0.0, 0.0
@@ -388,7 +388,7 @@ def run_step(cfg: Config, args, row: str) -> dict:
         seconds, warm, profile, measured = trainer_step(cfg, args)
         base |= {
             "precision": precision_of("ours", cfg),
-            **({"fp8_impl": cfg.perf.fp8_impl} if cfg.perf.fp8 != "none" else {}),
+            **({"fp8_impl": cfg.perf.fp8_impl} if RECIPES[cfg.perf.fp8].fp8 else {}),
             "strategy": cfg.parallel.strategy,
             "activation_checkpointing": cfg.parallel.activation_checkpointing,
             **measured,
@@ -441,7 +441,7 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, dict]:
     trainer = Trainer(load_config(args.config, args.overrides + trainer_overrides(cfg, args)), Sampler.for_run)
     torch.cuda.reset_peak_memory_stats()
     trainer.warm_up(max(trainer.cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
-    startup = settle_fp8(trainer) if trainer.fp8 is not None else None
+    startup = settle_fp8(trainer) if isinstance(trainer.precision, DelayedFP8) else None
     seconds, warm = timed(trainer.train_step, args.steps, warmup_steps(args))
     measured: dict = {"graphs": trainer.graphed is not None}
     if startup is not None:  # what the steps before every history was full took beyond steady steps
@@ -465,9 +465,10 @@ def settle_fp8(trainer, limit: int = 20) -> tuple[int, float]:
     has a maximum in its history, so that the timed steps are steady ones. Until then an operand is cast by one
     program alone (kernels/fp8_cast.py): a start-up cost of the first steps of a run (and of each gradient the
     zero-initialised gates hold at zero)."""
+    scaling = cast(DelayedFP8, trainer.precision).scaling
     steps, t0 = 0, time.perf_counter()
     # without_history reads the device: the check after the last step waits for it
-    while trainer.fp8.without_history() and steps < limit:
+    while scaling.without_history() and steps < limit:
         trainer.train_step()
         steps += 1
     return steps, time.perf_counter() - t0
@@ -497,27 +498,25 @@ def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
         dist.barrier()
         return result, round(time.perf_counter() - t0, 2)
 
-    root = Path(args.checkpoint)
-    state = replace(trainer.state, step=1)
-    loader = trainer.data.train.state_dict()
+    root, parts = Path(args.checkpoint), trainer.parts
     blocking = checkpoint.Checkpointer(root / "sync", keep=1)
-    path, save_s = clock(lambda: blocking.save(state, trainer.layout, loader))
+    path, save_s = clock(lambda: blocking.save(1, parts))
     size_gb = round(sum(f.stat().st_size for f in path.iterdir()) / 1e9, 1)
     report("checkpoint_gb", size_gb)
     report("save_s", save_s)
     report("write_gb_per_s", round(size_gb / max(save_s, 1e-3), 2))
-    _, load_s = clock(lambda: checkpoint.load(path, trainer.layout))
+    _, load_s = clock(lambda: checkpoint.load(path, parts))
     report("load_s", load_s)
     report("read_gb_per_s", round(size_gb / max(load_s, 1e-3), 2))
     shutil_rmtree(root / "sync")
     background = checkpoint.Checkpointer(root / "async", keep=1, async_save=True)
-    _, first_s = clock(lambda: background.save(state, trainer.layout, loader))
+    _, first_s = clock(lambda: background.save(1, parts))
     report("async_blocking_first_s", first_s)  # with the host buffers' allocation (pinned on a GPU host)
     in_flight, _ = timed(trainer.train_step, args.steps, warmup=0)
     report("step_ms_while_writing", round(in_flight * 1000, 1))
     _, async_finish_s = clock(background.wait)
     report("async_wait_after_steps_s", async_finish_s)
-    _, again_s = clock(lambda: background.save(replace(state, step=2), trainer.layout, loader))
+    _, again_s = clock(lambda: background.save(2, parts))
     report("async_blocking_s", again_s)  # every later save: the buffers are reused
     background.close()
     shutil_rmtree(root / "async")

@@ -10,6 +10,7 @@ from typing import Literal
 
 from flux_train.config import Config
 from flux_train.errors import UserError
+from flux_train.precision_recipes import RECIPES, fp8_row
 
 # first match wins: attention kernels carry cutlass in their names, our AdamW kernel "adamw"; inductor names a
 # kernel after the ops it fused, so its dtype casts (FP8 ones included) say `_to_copy` and count with the copies,
@@ -68,9 +69,10 @@ def fp8_impl_of(row: dict) -> Literal["ours", "torchao"] | None:
 
 
 def precision_of(row: str, cfg: Config) -> str:
-    if "-fp8-" in row:
-        return "fp8 " + row.split("-fp8-")[1]
-    return "bf16" if row.startswith("stock") or cfg.perf.fp8 == "none" else f"fp8 {cfg.perf.fp8}"
+    """The precision column of a bench row: its recipe's label (stock rows: bf16; ours: the config's recipe)."""
+    fp8 = fp8_row(row)
+    recipe = fp8[1] if fp8 else RECIPES["none" if row.startswith("stock") else cfg.perf.fp8]
+    return recipe.label
 
 
 def print_table(rows: list[dict]) -> None:

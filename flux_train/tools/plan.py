@@ -39,6 +39,7 @@ import json
 import math
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -58,6 +59,7 @@ from flux_train.config import (
 from flux_train.errors import UserError, reports_user_errors
 from flux_train.model.flux import flops_per_sample, param_count, token_linear_param_count
 from flux_train.outputs.mllog import BENCHMARK, RULESET, USAGE, rcp_samples
+from flux_train.precision_recipes import RECIPES, labelled
 from flux_train.private_apis import rcp_batch_sizes
 from flux_train.tools.bench_table import fp8_impl_of, precision_of, read_rows
 from flux_train.training.checkpoint_size import checkpoint_bytes, checkpoint_disk_gb
@@ -167,8 +169,7 @@ def row_config(cfg: Config, row: dict) -> Config:
     c.parallel.strategy = row.get("strategy", c.parallel.strategy)
     c.parallel.dp_shard = c.parallel.dp_replicate = -1
     c.parallel.activation_checkpointing = checkpointed(row)
-    c.perf.fp8 = row["precision"].removeprefix("fp8 ") if row["precision"] != "bf16" else "none"
-    c.perf.fp8_impl = fp8_impl_of(row) or c.perf.fp8_impl
+    c.perf = replace(c.perf, fp8=labelled(row["precision"]).name, fp8_impl=fp8_impl_of(row) or c.perf.fp8_impl)
     c.slurm.nodes, c.slurm.gpus_per_node = 1, row.get("world", 1)
     return c
 
@@ -232,7 +233,7 @@ def fp8_weight_copies(cfg: Config) -> int:
     """Bytes of every FP8 Linear's transposed e4m3 weight (one byte per parameter): what our tensorwise FP8 recipes
     save for the backward, whatever the batch, unless the backward casts the weight again (FP8Linear.recast_weight).
     A one-GPU forward+backward row holds them all."""
-    if cfg.perf.fp8 in ("delayed", "tensorwise") and cfg.perf.fp8_impl == "ours":
+    if cfg.perf.fp8_impl in RECIPES[cfg.perf.fp8].e4m3_weights:
         return token_linear_param_count(cfg.model)
     return 0
 

@@ -101,5 +101,6 @@ class FSDPTraining:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    def load_state_dict(self, state_dict: dict) -> None:
+        model, optim = state_dict["model"], state_dict["optim"]
+        set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optim)
