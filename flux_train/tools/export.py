@@ -1,13 +1,18 @@
 """`python -m flux_train.checkpoint export`: a checkpoint's model as a diffusers `FluxTransformer2DModel` folder,
-written in one process without a GPU or a process group.
+or as one .safetensors file in black-forest-labs' layout (`flux1-schnell.safetensors`, what ComfyUI and Forge read:
+our parameter names are theirs), written in one process without a GPU or a process group, then loaded back as
+diffusers loads it and checked against the checkpoint's model (flux_train.tools.export_check).
 
     python -m flux_train.checkpoint export --config CFG --checkpoint DIR/step_00001234 --out FOLDER
+    python -m flux_train.checkpoint export --format bfl --config CFG --checkpoint DIR --out FILE.safetensors
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -15,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from flux_train.cli import checkpoint_parser
-from flux_train.config import ConfigError, load_config
+from flux_train.config import ConfigError, ModelConfig, load_config
 from flux_train.errors import StorageError, UserError, reports_user_errors
 from flux_train.training.checkpoint import (
     PROGRESS,
@@ -84,13 +89,69 @@ def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
         raise StorageError(f"writing the export {out} failed ({brief(exc)})") from None
 
 
+# FLUX.1's hidden size: the single-file layout's readers take it as given (diffusers' from_single_file and ComfyUI
+# split the fused q/k/v/MLP weights at 3072 and 4 x 3072, whatever the file holds)
+BFL_HIDDEN = 3072
+
+
+def check_single_file_target(mcfg: ModelConfig, out: Path) -> None:
+    """Refuse, before any reading, an export in black-forest-labs' layout that no reader of it could load, or one
+    that would overwrite a file."""
+    hidden = mcfg.num_attention_heads * mcfg.attention_head_dim
+    if hidden != BFL_HIDDEN:
+        raise UserError(
+            f"--format bfl: its readers (ComfyUI, diffusers' from_single_file) assume FLUX.1's hidden size "
+            f"{BFL_HIDDEN}; model flavor '{mcfg.flavor}' has {hidden}: export it as a diffusers folder (--format "
+            "diffusers)"
+        )
+    if out.suffix != ".safetensors":
+        raise UserError(f"--out {out}: --format bfl writes one .safetensors file; give a path ending in .safetensors")
+    if out.exists() or out.is_symlink():
+        raise UserError(f"--out {out} exists; give a new file to write the export into (nothing is overwritten)")
+
+
+def export_single_file(cfg, checkpoint: Path, out: Path) -> None:
+    """Offline export of a DCP checkpoint's weights as one .safetensors file under our (black-forest-labs')
+    parameter names, in the dtype the checkpoint holds; written beside `out` under a name of its own and renamed into
+    place when complete."""
+    from safetensors.torch import save_file
+
+    from flux_train.model.diffusers_adapter import give_default_mode
+
+    weights = read_weights(cfg, checkpoint)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
+    os.close(fd)
+    try:
+        save_file(weights, partial)
+        give_default_mode(Path(partial))
+        os.rename(partial, out)
+    except OSError as exc:
+        Path(partial).unlink(missing_ok=True)
+        raise StorageError(f"writing the export {out} failed ({brief(exc)})") from None
+
+
 @reports_user_errors
 def main(argv=None) -> int:
+    from flux_train.model.diffusers_adapter import quiet_diffusers
+    from flux_train.tools.export_check import LOADERS, check_export
+
     args = checkpoint_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    out = Path(args.out)
+    if args.format == "bfl":
+        check_single_file_target(cfg.model, out)
     path = find_checkpoint(Path(args.checkpoint))
-    export_checkpoint(cfg, path, Path(args.out))
-    print(f"exported {path} -> {args.out} (load with FluxTransformer2DModel.from_pretrained)")
+    quiet_diffusers()  # before the reads: DCP's note on reading in one process
+    if args.format == "bfl":
+        export_single_file(cfg, path, out)
+    else:
+        export_checkpoint(cfg, path, out)
+    difference = check_export(cfg.model, read_weights(cfg, path), out, args.format)
+    print(
+        f"exported {path} -> {out} (loaded back with {LOADERS[args.format]}; its forward pass differs from the "
+        f"checkpoint's model by {difference:.1g}, relative)"
+    )
     return 0
 
 
