@@ -140,6 +140,19 @@ BAD_INPUTS = [
         [*DEBUG, "--set", 'logging.out_dir="/x y'],
         """--set 'logging.out_dir="/x y': the value starts with " but is not a quoted string (a quote left open?)""",
     ),
+    (
+        "train-set-bracket-left-open",
+        TRAIN,
+        [*DEBUG, "--set", "logging.out_dir=[my run"],
+        "--set 'logging.out_dir=[my run': the value starts with [ but is not a YAML list (a bracket left open?); "
+        """close it, or quote the whole value to mean the text: --set 'logging.out_dir="[my run"'""",
+    ),
+    (
+        "train-set-brace-left-open",
+        TRAIN,
+        [*DEBUG, "--set", "logging.out_dir={{my run"],
+        "--set 'logging.out_dir={{my run': the value starts with {{ but is not a YAML mapping (a bracket left open?)",
+    ),
     ("train-unknown-section", TRAIN, [*DEBUG, "--set", "nosuchsection.x=1"], "unknown key 'nosuchsection'"),
     ("train-unknown-key", TRAIN, [*DEBUG, "--set", "train.nosuchkey=1"], "unknown key 'train.nosuchkey'"),
     ("train-not-a-number", TRAIN, [*DEBUG, "--set", "train.lr=abc"], "train.lr: expected a number"),
