@@ -366,6 +366,8 @@ class Trainer:
                 return Status.ABORTED
             if self.checkpointer.due(self.state.step):
                 self.save_checkpoint()
+            if self.state.step >= self.cfg.train.max_steps:  # the cap fell on an eval: run_stop follows its eval_stop
+                return Status.ABORTED
 
     def _block(self, metrics: Metrics, window: LogWindow) -> Boundary:
         """Steps until an eval is due, a stop, a non-finite step or the step cap; the metrics and checkpoints of
