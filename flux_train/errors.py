@@ -35,6 +35,12 @@ def raise_on_every_rank(error: UserError, is_main: bool) -> NoReturn:
     raise SystemExit(error.exit_code)
 
 
+def report(error: UserError) -> int:
+    """'<label>: <message>' on stderr; returns the error's exit code."""
+    print(f"{error.label}: {error}" if error.label else str(error), file=sys.stderr, flush=True)
+    return error.exit_code
+
+
 def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
     """Wrap a command's main(argv, ...): a UserError becomes '<label>: <message>' on stderr and its exit code."""
 
@@ -43,8 +49,7 @@ def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
         try:
             return main(argv, **parts)
         except UserError as exc:
-            print(f"{exc.label}: {exc}" if exc.label else str(exc), file=sys.stderr, flush=True)
-            return exc.exit_code
+            return report(exc)
 
     return wrapped
 

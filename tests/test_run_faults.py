@@ -501,3 +501,35 @@ def test_a_run_whose_teardown_hangs_is_ended_naming_the_rank_and_where_it_waits(
     assert 'File "<string>", line 3 in <lambda>' in proc.stderr
     run_stop = next(e for e in events(out) if e["key"] == "run_stop")
     assert 2 <= ended - run_stop["time_ms"] / 1000 < 2 + 10  # parallel.exit_timeout_s after the run ended
+
+
+def test_an_error_before_a_teardown_that_hangs_is_said_before_the_deadline_ends_it(tmp_path):
+    """A run stopped by a bad input once printed only the deadline's line when its teardown then hung: the error's own
+    line, what the user has to fix, came after the teardown, which never ended. The bad input is real (a data.path
+    that does not exist, found after the process group is up); the hang is planted as above. A fault that is no bad
+    input (planted here: a bug's exception, whose traceback would come after the teardown) is named in the deadline's
+    line."""
+    hang = "import sys, time\nfrom flux_train.training import train\ntrain.shutdown = lambda: time.sleep(300)\n"
+    bug = "train.Trainer.run = lambda self: 1 / 0\n"
+    out, nowhere = tmp_path / "run", tmp_path / "nowhere"
+    lines = []
+    for script, args in [
+        (hang, flags(data__source="energon", data__path=nowhere, parallel__exit_timeout_s=2)),
+        (hang + bug, flags(parallel__exit_timeout_s=2, checkpoint__resume="none")),
+    ]:
+        command = [
+            sys.executable,
+            "-c",
+            script + "sys.exit(train.main(sys.argv[1:]))\n",
+            *train_command(out, *args)[3:],
+        ]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 6, proc.stderr[-2000:]
+        lines.append(proc.stderr.splitlines())
+    (error, ended, *_), (bug_ended, *_) = lines
+    assert error == (
+        f"config error: data.path {nowhere} does not exist here; point it at the prepared dataset (python -m dataprep) "
+        "or use data.source=synthetic"
+    )
+    assert ended.startswith("flux-train: rank 0 on ") and "the run ended (stopped by an error) but" in ended
+    assert "the run ended (stopped by ZeroDivisionError: division by zero) but" in bug_ended

@@ -33,7 +33,7 @@ from flux_train.config import (
     validate,
 )
 from flux_train.data.sources import build_data, synthetic_samples
-from flux_train.errors import StorageError, reports_user_errors
+from flux_train.errors import StorageError, UserError, report, reports_user_errors
 from flux_train.kernels.fp8 import FP8Scaling
 from flux_train.model import flow
 from flux_train.model.diffusers_adapter import load_pretrained
@@ -420,7 +420,9 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
         status = trainer.run()
     except StorageError as exc:  # a file the run must write could not be written: say where to resume from
         where = checkpoint.last_good(checkpoint_dir(cfg)) if cfg else "no checkpoint yet"
-        raise StorageError(f"{exc}; {where}") from None
+        return report(StorageError(f"{exc}; {where}"))
+    except UserError as exc:  # said now: a teardown that hangs (below) ends the process before main returns
+        return report(exc)
     except RuntimeError as exc:  # out of memory; a collective failed or timed out
         rank = dist.get_rank() if dist.is_initialized() else 0
         oom, stalled = out_of_memory_line(exc, rank), collective_failure_line(exc, cfg.logging.out_dir if cfg else ".")
@@ -432,7 +434,9 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
         # from here the heartbeat no longer speaks for this rank: the deadline does, if the teardown hangs
         deadline = None
         if cfg is not None and dist.is_initialized():
-            ended = f"status {status.value}" if status is not None else "stopped by an error"
+            error = sys.exc_info()[1]  # one on its way out: its traceback would come after a teardown that hangs
+            why = checkpoint.brief(error) if error else "an error"
+            ended = f"status {status.value}" if status is not None else f"stopped by {why}"
             deadline = ExitDeadline(cfg.parallel.exit_timeout_s, dist.get_rank(), ended)
         if trainer is not None:
             trainer.heartbeat.stop()
