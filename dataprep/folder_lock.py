@@ -55,6 +55,9 @@ def lock_folder(folder: Path, setting: str) -> IO[str]:
             f"warning: {folder}: the filesystem takes no locks ({exc.strerror}); a second process there is not kept out",
             file=sys.stderr,
         )
+    if handle.read()[:5] not in ("", "host "):  # a file of the user's by that name, not a holder's line of ours
+        handle.close()
+        raise FolderLockError(f"{setting} {folder}: {path} is not a lock file of this tool's; move it away")
     job = os.environ.get("SLURM_JOB_ID")
     try:
         handle.seek(0)

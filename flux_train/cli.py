@@ -165,7 +165,7 @@ def bench_parser() -> Parser:
         default=None,
         metavar="DIR",
         help="step mode: also time a checkpoint save (blocking and async) and load of the trainer's state "
-        "in DIR (removed after)",
+        "in a new folder in DIR (that folder removed after)",
     )
     p.add_argument(
         "--same-process",
@@ -179,13 +179,13 @@ def bench_parser() -> Parser:
     return p
 
 
-def node_counts(text: str) -> list[int]:
+def node_counts(text: str) -> range:
     """argparse type: N or a range A-B."""
     first, _, last = text.partition("-")
     low, high = positive_int(first), positive_int(last or first)
     if high < low:
         raise ValueError
-    return list(range(low, high + 1))
+    return range(low, high + 1)
 
 
 def plan_parser() -> Parser:

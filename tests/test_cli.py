@@ -351,6 +351,55 @@ def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, t
     assert not (log.is_file() and "init_start" in log.read_text())  # the trainer started no MLLOG run
 
 
+# an output path that cannot be written (/proc/nope: no file can be made there, for any user) or where a folder stands
+# for a file (a file for a folder): one line, exit 2 (the path is the bad input) or 74 (the write failed), nothing
+# written; plan's plot used to end in a traceback, or be written beside a folder as <folder>.png (issue 47). The
+# commands that need a trained run or a log (checkpoint export, sample, results) are tried in test_sample.py and
+# test_results.py; bench's --json needs a GPU.
+NOPE = "/proc/nope"
+ODD_OUTPUTS = [
+    ("plan-png-unwritable", PLAN, ["--config", "{root}/configs/systems/H200_01x08.yaml", "--png", NOPE], 74),
+    ("plan-png-a-folder", PLAN, ["--config", "{root}/configs/systems/H200_01x08.yaml", "--png", "{tmp}/empty"], 2),
+    ("train-out-dir-unwritable", TRAIN, [*DEBUG, "--set", f"logging.out_dir={NOPE}"], 2),
+    ("train-out-dir-a-file", TRAIN, [*DEBUG, "--set", "logging.out_dir={tmp}/notes.txt"], 2),
+    ("train-checkpoint-dir-unwritable", TRAIN, [*DEBUG, "--set", f"checkpoint.dir={NOPE}"], 2),
+    ("submit-local-folder-unwritable", SUBMIT, [*SYSTEM, "--local", "--set", f"slurm.folder={NOPE}/%j"], 2),
+    ("submit-folder-a-file", SUBMIT, [*SYSTEM, "--set", "slurm.folder={tmp}/notes.txt"], 2),
+    ("dataprep-convert-out-unwritable", DATAPREP, ["convert", "--train", "{tmp}/nowhere", "--out", NOPE], 2),
+    ("dataprep-convert-out-a-file", DATAPREP, ["convert", "--train", "{tmp}/nowhere", "--out", "{tmp}/notes.txt"], 2),
+    ("dataprep-fixture-out-unwritable", DATAPREP, ["fixture", "--out", NOPE], 2),
+    ("dataprep-fixture-out-a-file", DATAPREP, ["fixture", "--out", "{tmp}/notes.txt"], 2),
+    ("dataprep-prepare-unwritable", DATAPREP, ["prepare", NOPE], 2),
+    (
+        "dataprep-encode-out-unwritable",
+        DATAPREP,
+        ["encode", "--split", "train", "--wds", "{tmp}/x.tar", "--out", NOPE, "--vae", "v", "--t5", "t", "--clip", "c"],
+        2,
+    ),
+    (
+        "dataprep-empty-encodings-out-a-file",
+        DATAPREP,
+        ["empty-encodings", "--out", "{tmp}/notes.txt", "--t5", "t", "--clip", "c"],
+        2,
+    ),
+]
+
+
+@pytest.mark.parametrize("command,argv,code", [row[1:] for row in ODD_OUTPUTS], ids=[row[0] for row in ODD_OUTPUTS])
+def test_an_odd_output_path_is_one_line_not_a_traceback(command, argv, code, tmp_path, monkeypatch, capsys):
+    cwd = bad_input_world(tmp_path, argv, monkeypatch)
+    fill = functools.partial(str.format, root=ROOT, tmp=tmp_path)
+    try:
+        got = COMMANDS[command](list(map(fill, argv)))
+    except SystemExit as exc:  # argparse's exit
+        got = exc.code
+    err = capsys.readouterr().err.strip()
+    assert got == code and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert NOPE in err or str(tmp_path) in err, err  # the path is named
+    assert [p for p in cwd.rglob("*") if p.is_file()] == [] and sorted(os.listdir(tmp_path / "empty")) == []
+    assert (tmp_path / "notes.txt").read_text() == "not a config, a table or a log\n"
+
+
 @pytest.mark.slow
 def test_the_real_entry_points_report_bad_input_the_same(tmp_path):
     """One row per command through `python -m`, side by side."""

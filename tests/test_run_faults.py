@@ -18,12 +18,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from run_outputs import column, events, losses, metrics, set_flags, train_command
 from run_outputs import train as run_train
 
 from flux_train.config import load_config
 from flux_train.outputs import results
 from flux_train.tools.export import main as export_main
+from flux_train.tools.export import read_weights
 from flux_train.training import checkpoint, checkpoint_size, run_folder, train
 
 pytestmark = pytest.mark.slow  # the module fixture trains
@@ -533,3 +535,43 @@ def test_an_error_before_a_teardown_that_hangs_is_said_before_the_deadline_ends_
     )
     assert ended.startswith("flux-train: rank 0 on ") and "the run ended (stopped by an error) but" in ended
     assert "the run ended (stopped by ZeroDivisionError: division by zero) but" in bug_ended
+
+
+def test_a_final_checkpoint_cut_by_a_kill_is_completed_by_the_same_command_without_a_second_run_stop(tmp_path):
+    """The final save follows run_stop (off the clock); SIGKILL during it (planted where its shards are written and
+    progress.pt is not, the deterministic moment of a kill mid-save) left step_00000006.tmp, and the same command
+    again was refused as a finished run, the last step's weights lost. Now it trains steps 5-6 again from the
+    checkpoint of step 4 and saves them: the weights of an uninterrupted run, its records untouched (one run_stop),
+    and only then is the run finished."""
+    cut = (
+        "import os, signal, sys\n"
+        "from flux_train.training import checkpoint, train\n"
+        "complete = checkpoint.Checkpointer._complete\n"
+        "def cut(self, tmp, final, progress):\n"
+        "    if progress['step'] == 6:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    complete(self, tmp, final, progress)\n"
+        "checkpoint.Checkpointer._complete = cut\n"
+        "sys.exit(train.main(sys.argv[1:]))\n"
+    )
+    args = flags(train__max_steps=6, checkpoint__every_steps=4, eval__target=0)
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert run_train(whole, *args, timeout=300).returncode == 0
+    killed = subprocess.run([sys.executable, "-c", cut, *train_command(out, *args)[3:]], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (out / "checkpoints" / "step_00000006.tmp").is_dir() and newest(out).name == "step_00000004"
+    records = snapshot(out)
+    completed = run_train(out, *args, timeout=300)
+    final = out / "checkpoints" / "step_00000006"
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert f"completed the final checkpoint {final} of the finished run (steps 5-6 again)" in completed.stdout
+    assert {k: v for k, v in snapshot(out).items() if not k.startswith(("checkpoints/", "heartbeats/"))} == {
+        k: v for k, v in records.items() if not k.startswith(("checkpoints/", "heartbeats/"))
+    }  # mllog.log (one run_stop) and metrics.jsonl as the run left them
+    assert [e["key"] for e in events(out)].count("run_stop") == 1
+    assert newest(out) == final and not list((out / "checkpoints").glob("*.tmp"))
+    cfg = load_config(out / "config.yaml")
+    mine, reference = read_weights(cfg, final), read_weights(cfg, whole / "checkpoints" / "step_00000006")
+    assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
+    again = run_train(out, *args, timeout=300)
+    assert again.returncode == 2 and "holds a finished run" in again.stderr

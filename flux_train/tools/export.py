@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from dataprep.staging import staging_folder
 from flux_train.cli import checkpoint_parser
 from flux_train.config import ConfigError, load_config
 from flux_train.errors import StorageError, UserError, reports_user_errors
@@ -65,23 +66,37 @@ def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
-    """Offline export of a DCP checkpoint's weights as a diffusers folder, written beside it and renamed into place
-    when complete; nothing that exists at `out` is written into (an empty folder aside)."""
-    from flux_train.model.diffusers_adapter import quiet_diffusers, save_diffusers
-
-    quiet_diffusers()
+def check_new_folder(out: Path, flag: str) -> None:
+    """Refuse an export's destination that holds anything: nothing there is written into (an empty folder aside)."""
     if out.is_symlink() or (out.exists() and not (out.is_dir() and not any(out.iterdir()))):
-        raise UserError(f"--out {out} exists; give a new folder to write the export into (nothing is overwritten)")
-    weights = read_weights(cfg, checkpoint)
-    partial = out.with_name(out.name + ".partial")
+        raise UserError(f"{flag} {out} exists; give a new folder to write the export into (nothing is overwritten)")
+
+
+def write_export(weights: dict[str, torch.Tensor], mcfg, out: Path, flag: str) -> None:
+    """`weights` as a diffusers folder at `out` (check_new_folder's), written into a staging folder of its own beside
+    it and renamed into place when complete: a folder of the user's is never written into or removed."""
+    from flux_train.model.diffusers_adapter import save_diffusers
+
+    check_new_folder(out, flag)
+    partial = None
     try:
-        shutil.rmtree(partial, ignore_errors=True)
-        save_diffusers(weights, cfg.model, partial)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = staging_folder(out)
+        save_diffusers(weights, mcfg, partial)
         partial.rename(out)
     except OSError as exc:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise StorageError(f"writing the export {out} failed ({brief(exc)})") from None
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise StorageError(f"writing the export {flag} {out} failed ({brief(exc)})") from None
+
+
+def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
+    """Offline export of a DCP checkpoint's weights as a diffusers folder at `out` (write_export)."""
+    from flux_train.model.diffusers_adapter import quiet_diffusers
+
+    quiet_diffusers()
+    check_new_folder(out, "--out")  # before the weights are read
+    write_export(read_weights(cfg, checkpoint), cfg.model, out, "--out")
 
 
 @reports_user_errors

@@ -67,6 +67,7 @@ class Status(str, enum.Enum):
     ABORTED = "aborted"  # the step cap
     PREEMPTED = "preempted"  # Slurm's warning signal: checkpoint saved, the launcher requeues
     DIVERGED = "diverged"  # a non-finite loss or gradient norm
+    COMPLETED = "completed"  # a finished run's final checkpoint, which a kill had cut, written (no MLLOG event)
 
 
 class Boundary(NamedTuple):
@@ -108,10 +109,11 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(
             checkpoint_dir(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.checkpoint.every_steps
         )
-        # a resumed run continues the same MLLOG file and does not start a second run in it
+        # a resumed run continues the same MLLOG file and does not start a second run in it; completing a finished
+        # run's final checkpoint writes none
         self.mllog = MLLogger(
             self.out_dir / cfg.logging.mllog_file,
-            enabled=self.dist.is_main,
+            enabled=self.dist.is_main and self.folder.final_step is None,
             append=self.resume_from is not None,
             stdout=cfg.logging.mllog_stdout,
         )
@@ -299,6 +301,8 @@ class Trainer:
         self.warm_up(cfg.perf.warmup_iters)
         if self.resume_from is not None:
             self._resume()
+        if self.folder.final_step is not None:
+            return self._complete_final(self.folder.final_step)
         if not self.mllog.continued:
             self.mllog.end(C.INIT_STOP)
             self.mllog.start(C.RUN_START)
@@ -343,6 +347,18 @@ class Trainer:
             return
         self.save_checkpoint()
         self.checkpointer.close()
+
+    def _complete_final(self, step: int) -> Status:
+        """The final checkpoint of a finished run that a kill cut (run_folder.cut_final): its steps since the
+        checkpoint resumed from trained again (the same data and draws, all seeded by step), then saved; mllog.log
+        and metrics.jsonl stay as the run left them, with its one run_stop."""
+        start = self.state.step
+        while self.state.step < step:
+            self.train_step()
+        path = self.save_checkpoint()
+        self.checkpointer.close()
+        self._say(f"completed the final checkpoint {path} of the finished run (steps {start + 1}-{step} again)")
+        return Status.COMPLETED
 
     def _train(self, metrics: Metrics) -> Status:
         """Blocks of steps, each between MLLOG's block_start and block_stop, until one ends the run."""
