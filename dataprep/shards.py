@@ -20,6 +20,7 @@ from typing import Iterable, Optional
 
 import webdataset as wds
 
+from dataprep import digests
 from dataprep.format import DataprepError, DataprepStorageError
 from dataprep.staging import write_atomic
 
@@ -50,6 +51,7 @@ class ShardRecord:
     bytes: int
     seconds: float
     skipped: list = field(default_factory=list)  # [input row, source key, reason]
+    digest: Optional[dict] = None  # the shard's entry in digests.FILE (None: written before there were digests)
 
 
 def val_first_key(root: Path) -> int:
@@ -129,7 +131,8 @@ class SplitWriter:
         try:
             # "x": created here, never a file that is there; 4 MiB buffers: tar writes 10 KiB records, batch them
             with open(tmp, "xb", buffering=1 << 22) as f:
-                writer = wds.TarWriter(f, encoder=False, mtime=0)  # mtime 0: byte-identical reruns
+                digester = digests.Digester(f)
+                writer = wds.TarWriter(digester, encoder=False, mtime=0)  # mtime 0: byte-identical reruns
                 try:
                     for sample in samples:
                         size += writer.write(sample)
@@ -156,15 +159,19 @@ class SplitWriter:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        record = ShardRecord(plan.index, plan.start, plan.end, count, size, time.perf_counter() - t0, skipped)
+        seconds = time.perf_counter() - t0
+        record = ShardRecord(plan.index, plan.start, plan.end, count, size, seconds, skipped, digester.entry())
         _write(self.book / f"{plan.name}.json", json.dumps(asdict(record), indent=1))
         return record
 
     def finish(self, records: list[ShardRecord]) -> None:
-        """index.txt (the shards, as NVIDIA's layout has it) and skipped.tsv once every shard is done. A split whose
-        every input was skipped (--skip-bad) is an error, not an empty success."""
-        names = [SHARD.format(r.index) for r in sorted(records, key=lambda r: r.index) if r.samples]
+        """index.txt (the shards, as NVIDIA's layout has it), their digests and skipped.tsv once every shard is done.
+        A split whose every input was skipped (--skip-bad) is an error, not an empty success."""
+        written = [r for r in sorted(records, key=lambda r: r.index) if r.samples]
+        names = [SHARD.format(r.index) for r in written]
         _write(self.dir / INDEX, "".join(n + "\n" for n in names))
+        if all(r.digest for r in written):  # a conversion resumed from one of an earlier version has none to give
+            _write(self.dir / digests.FILE, digests.table({n: r.digest for n, r in zip(names, written) if r.digest}))
         rows = [s for r in sorted(records, key=lambda r: r.index) for s in r.skipped]
         skipped = self.book / "skipped.tsv"
         if rows:

@@ -334,18 +334,22 @@ def bad_input_world(tmp: Path, argv: list[str], monkeypatch) -> Path:
     return tmp / "cwd"
 
 
-@pytest.mark.parametrize("command,argv,expected", [row[1:] for row in BAD_INPUTS], ids=[row[0] for row in BAD_INPUTS])
-def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, tmp_path, monkeypatch, capsys):
-    cwd = bad_input_world(tmp_path, argv, monkeypatch)
+def run_in_world(command: str, argv: list[str], tmp: Path, monkeypatch, capsys) -> tuple[int, str, Path]:
+    """The command, in-process in bad_input_world: (exit code, stderr, the folder it ran in)."""
+    cwd = bad_input_world(tmp, argv, monkeypatch)
     capsys.readouterr()  # what making the inputs printed
-    fill = functools.partial(str.format, root=ROOT, tmp=tmp_path)
     try:
-        code = COMMANDS[command](list(map(fill, argv)))
+        code = COMMANDS[command]([arg.format(root=ROOT, tmp=tmp) for arg in argv])
     except SystemExit as exc:  # argparse's exit
         code = exc.code
-    err = capsys.readouterr().err.strip()
+    return code, capsys.readouterr().err.strip(), cwd
+
+
+@pytest.mark.parametrize("command,argv,expected", [row[1:] for row in BAD_INPUTS], ids=[row[0] for row in BAD_INPUTS])
+def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, tmp_path, monkeypatch, capsys):
+    code, err, cwd = run_in_world(command, argv, tmp_path, monkeypatch, capsys)
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert fill(expected) in err
+    assert expected.format(root=ROOT, tmp=tmp_path) in err
     assert [p for p in cwd.rglob("*") if p.is_file()] == []  # no plot, no runs/submitit/ pickles, ...
     log = tmp_path / "out" / "mllog.log"
     assert not (log.is_file() and "init_start" in log.read_text())  # the trainer started no MLLOG run
@@ -387,13 +391,7 @@ ODD_OUTPUTS = [
 
 @pytest.mark.parametrize("command,argv,code", [row[1:] for row in ODD_OUTPUTS], ids=[row[0] for row in ODD_OUTPUTS])
 def test_an_odd_output_path_is_one_line_not_a_traceback(command, argv, code, tmp_path, monkeypatch, capsys):
-    cwd = bad_input_world(tmp_path, argv, monkeypatch)
-    fill = functools.partial(str.format, root=ROOT, tmp=tmp_path)
-    try:
-        got = COMMANDS[command](list(map(fill, argv)))
-    except SystemExit as exc:  # argparse's exit
-        got = exc.code
-    err = capsys.readouterr().err.strip()
+    got, err, cwd = run_in_world(command, argv, tmp_path, monkeypatch, capsys)
     assert got == code and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert NOPE in err or str(tmp_path) in err, err  # the path is named
     assert [p for p in cwd.rglob("*") if p.is_file()] == [] and sorted(os.listdir(tmp_path / "empty")) == []

@@ -75,6 +75,8 @@ def check_new_folder(out: Path, flag: str) -> None:
 def write_export(weights: dict[str, torch.Tensor], mcfg, out: Path, flag: str) -> None:
     """`weights` as a diffusers folder at `out` (check_new_folder's), written into a staging folder of its own beside
     it and renamed into place when complete: a folder of the user's is never written into or removed."""
+    from safetensors import SafetensorError
+
     from flux_train.model.diffusers_adapter import save_diffusers
 
     check_new_folder(out, flag)
@@ -84,10 +86,12 @@ def write_export(weights: dict[str, torch.Tensor], mcfg, out: Path, flag: str) -
         partial = staging_folder(out)
         save_diffusers(weights, mcfg, partial)
         partial.rename(out)
-    except OSError as exc:
+    except BaseException as exc:
         if partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
-        raise StorageError(f"writing the export {flag} {out} failed ({brief(exc)})") from None
+        if isinstance(exc, (OSError, SafetensorError)):  # safetensors' for a failed write (a full disk)
+            raise StorageError(f"writing the export {flag} {out} failed ({brief(exc)})") from None
+        raise
 
 
 def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
