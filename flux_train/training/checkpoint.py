@@ -3,7 +3,8 @@ the model's weights read back in one process (flux_train.tools.export writes the
 
 Layout: <dir>/step_00001234/ holds the DCP shards of {"model", "optim"}, `loader_rank<r>.pt` per rank and
 `progress.pt` (flux_train.training.train_state: step, eval count, and the settings a resume must share: world size,
-strategy, global batch size, data source and loader workers). A save goes to `step_XXXX.tmp/` and is renamed once every rank has finished,
+strategy, global batch size, data source and loader workers). A save goes to `step_XXXX.tmp/` (made there and marked
+with STAGING_MARK: only such leftovers are removed) and is renamed once every rank has finished,
 so a crash mid-save leaves the previous checkpoint the latest valid one; a save that fails (a full disk) fails
 on every rank alike. No RNG state is needed: every random stream is seeded from (seed, step, micro-batch)
 (flow.seeded_generator).
