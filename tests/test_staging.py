@@ -138,3 +138,20 @@ def test_the_trainer_leaves_the_users_files_at_its_staging_names(run, tmp_path):
     assert kept({name: before[name] for name in planted}, out)
     assert (out / "checkpoints" / "step_00000006" / "progress.pt").is_file()
     assert [e["key"] for e in events(out)].count("run_start") == 1
+
+
+def test_a_lock_file_of_the_users_is_refused_not_overwritten(tmp_path):
+    """`.lock` is the one fixed name every writing command takes in its folder (rewritten at every start with its
+    holder's line): a file of that name holding anything else is the user's, and stays."""
+    from dataprep.folder_lock import FolderLockError, lock_folder
+
+    plant(tmp_path / ".lock")
+    with pytest.raises(FolderLockError) as refused:
+        lock_folder(tmp_path, "--out")
+    assert (
+        str(refused.value) == f"--out {tmp_path}: {tmp_path / '.lock'} is not a lock file of this tool's; move it away"
+    )
+    assert (tmp_path / ".lock").read_text() == MINE
+    (tmp_path / ".lock").write_text("")  # made, then cut before its holder's line: ours
+    lock_folder(tmp_path, "--out").close()
+    assert (tmp_path / ".lock").read_text().startswith("host ")

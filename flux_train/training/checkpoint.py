@@ -224,6 +224,8 @@ def remove_leftovers(root: Path, keep: Path | None = None) -> None:
     """The staging folders of saves that were interrupted (a crash, a full disk), as large as a checkpoint, but
     `keep` (a cut final save, the sign that it is to be completed); a folder of that form no save made is refused."""
     for tmp in sorted(root.glob("step_*.tmp")) if root.is_dir() else ():
+        if not STEP_DIR.match(tmp.name.removesuffix(".tmp")):  # no name a save uses
+            continue
         if not made_here(tmp):
             raise ConfigError(
                 f"{tmp} was not made by a save of flux-train (no {STAGING_MARK} in it), and a save of that step "
