@@ -31,6 +31,11 @@ def staging_folder(final: Path) -> Path:
     return _create_beside(final, Path.mkdir)[0]
 
 
+def staging_file(final: Path) -> Path:
+    """A new, empty file beside `final`, to be renamed to it when complete."""
+    return _create_beside(final, lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)))[0]
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """`path` replaced whole by `data` (a crash leaves the old file or the new one, never a part); an OSError is the
     write's own, its staging file removed."""

@@ -13,6 +13,7 @@ from dataprep.cli import add_encoder_arguments
 from dataprep.format import IMAGE_SIZE
 from flux_train.config import CONFIG_DIR, ContainerConfig, add_overrides
 from flux_train.errors import Parser, positive_int, positive_number
+from flux_train.precision_recipes import fp8_rows
 
 # the rows each bench mode can measure (flux_train/tools/bench.py runs them)
 BENCH_ROWS = {
@@ -20,17 +21,15 @@ BENCH_ROWS = {
         "stock-eager",
         "stock",
         "ours",
-        "ours-fp8-delayed",
-        "ours-fp8-tensorwise",
-        "ours-fp8-rowwise",
-        "torchao-fp8-tensorwise",
-        "torchao-fp8-rowwise",
+        *fp8_rows("ours"),
+        *fp8_rows("torchao"),
         "ours-no-graphs",
         "ours-no-compile",
         "ours-torch-rmsnorm",
     ),
     "step": ("stock", "ours"),
-    "casts": ("ours-fp8-delayed", "ours-fp8-tensorwise"),
+    "casts": fp8_rows("ours", per_row=False),  # the recipes our cast kernel serves
+    "collectives": ("all-gather", "reduce-scatter"),
 }
 RUNTIMES = typing.get_args(typing.get_type_hints(ContainerConfig)["runtime"])
 
@@ -134,13 +133,15 @@ def bench_parser() -> Parser:
         choices=tuple(BENCH_ROWS),
         default="fwdbwd",
         help="fwdbwd: one GPU, forward+backward only; step: the whole training step under torchrun; casts: the "
-        "FP8 cast kernel alone at every operand shape of a step, against its byte floor",
+        "FP8 cast kernel alone at every operand shape of a step, against its byte floor; collectives: the bus "
+        "bandwidth of the layouts' all-gathers and reduce-scatters under torchrun, at the sizes they move",
     )
     p.add_argument(
         "--rows",
         default=None,
         help=f"comma-separated rows; fwdbwd: {', '.join(BENCH_ROWS['fwdbwd'])} (default stock,ours); "
-        f"step: {', '.join(BENCH_ROWS['step'])} (default stock,ours); casts: {', '.join(BENCH_ROWS['casts'])}",
+        f"step: {', '.join(BENCH_ROWS['step'])} (default stock,ours); casts: {', '.join(BENCH_ROWS['casts'])}; "
+        f"collectives: {', '.join(BENCH_ROWS['collectives'])}",
     )
     p.add_argument(
         "--batch", type=positive_int, default=16, help="fwdbwd batch (step mode uses train.micro_batch_size)"
@@ -157,7 +158,7 @@ def bench_parser() -> Parser:
         "--accum",
         type=positive_int,
         default=1,
-        help="step mode: micro-batches per optimizer step for the ours row (the stock step has none)",
+        help="step mode: micro-batches per optimizer step (stock: FSDP2's default, every micro-batch reduce-scattered)",
     )
     p.add_argument("--profile", action="store_true", help="add the GPU time per kernel kind to each row")
     p.add_argument(
@@ -257,13 +258,24 @@ def checkpoint_parser() -> Parser:
     sub = p.add_subparsers(dest="command", required=True)
     ex = sub.add_parser(
         "export",
-        help="write a checkpoint's model as a diffusers FluxTransformer2DModel folder",
+        help="write a checkpoint's model as a diffusers folder or a black-forest-labs .safetensors file",
         description="Write a checkpoint's model as a diffusers FluxTransformer2DModel folder (config.json + "
-        "safetensors), without a GPU or a process group.",
+        "safetensors) or as one .safetensors file in the layout black-forest-labs released FLUX.1 in (ComfyUI, "
+        "Forge, diffusers' from_single_file), without a GPU or a process group. The export is loaded back as "
+        "diffusers loads it and one forward pass compared with the checkpoint's model before the command succeeds.",
     )
     ex.add_argument("--config", required=True, help="the run's config (for the model flavor)")
     ex.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a checkpoint dir (latest)")
-    ex.add_argument("--out", required=True, help="the diffusers folder to write (config.json + safetensors)")
+    ex.add_argument(
+        "--out", required=True, help="the folder (--format diffusers) or .safetensors file (--format bfl) to write"
+    )
+    ex.add_argument(
+        "--format",
+        choices=["diffusers", "bfl"],
+        default="diffusers",
+        help="diffusers: a FluxTransformer2DModel folder (from_pretrained; the default); bfl: one .safetensors file "
+        "like flux1-schnell.safetensors (ComfyUI, Forge, FluxTransformer2DModel.from_single_file)",
+    )
     add_overrides(ex)
     return p
 

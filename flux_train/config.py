@@ -25,6 +25,7 @@ from typing import Any, Callable, Literal, Optional
 import yaml
 
 from flux_train.errors import UserError
+from flux_train.precision_recipes import RECIPES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -802,9 +803,11 @@ def validate(cfg: Config, world_size: int | None = None, gpus_per_node: int | No
         f"data.synthetic_val_samples {cfg.data.synthetic_val_samples} > data.synthetic_train_samples "
         f"{cfg.data.synthetic_train_samples}: the synthetic val set is a subset of the train set",
     )
+    impls = RECIPES[cfg.perf.fp8].impls
     need(
-        cfg.perf.fp8 != "delayed" or cfg.perf.fp8_impl == "ours",
-        "perf.fp8=delayed: torchao's Float8Linear has no delayed scaling; set perf.fp8_impl=ours",
+        cfg.perf.fp8_impl in impls,
+        f"perf.fp8={cfg.perf.fp8}: perf.fp8_impl={cfg.perf.fp8_impl} has no such recipe; set perf.fp8_impl="
+        + " or ".join(impls),
     )
     need(
         not cfg.eval.sample_prompts or bool(cfg.eval.sample_weights),

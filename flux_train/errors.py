@@ -49,6 +49,11 @@ def write_output(path: Path, flag: str, write: Callable[[Path], object]) -> None
         ) from None
 
 
+class StateMisfit(ValueError):
+    """A checkpoint part's saved state that this run's part cannot take (another recipe's, another set of layers):
+    the message says what it holds and what this run has; the part keeps its own state (training.checkpoint.load)."""
+
+
 def raise_on_every_rank(error: UserError, is_main: bool) -> NoReturn:
     """An error every rank of a run has found alike: the main rank reports it (one line for the run, not one per
     rank), the others exit with its code and say nothing."""

@@ -152,6 +152,7 @@ def test_step_rows_settle_fp8_until_every_operand_has_an_amax_history(tmp_path):
     debug model's gates and final layer start at zero, as the full model's do, so its output gradients need more
     than the first step. The real Trainer, on the CPU."""
     from flux_train.training import distributed
+    from flux_train.training.precision import DelayedFP8
     from flux_train.training.train import Trainer
 
     overrides = ["data.source=synthetic", "eval.enabled=false", "perf.fp8=delayed", "train.compute_dtype=bfloat16"]
@@ -159,12 +160,14 @@ def test_step_rows_settle_fp8_until_every_operand_has_an_amax_history(tmp_path):
     trainer = Trainer(load_config("configs/debug.yaml", overrides))
     try:
         trainer.warm_up(1)
-        assert trainer.fp8 is not None and trainer.fp8.without_history() > 0  # the warm-up resets the histories
+        assert isinstance(trainer.precision, DelayedFP8)
+        scaling = trainer.precision.scaling
+        assert scaling.without_history() > 0  # the warm-up resets the histories
         assert bench.settle_fp8(trainer, limit=1)[0] == 1
-        assert trainer.fp8.without_history() > 0  # one step leaves the zero gradients' histories empty
+        assert scaling.without_history() > 0  # one step leaves the zero gradients' histories empty
         steps, seconds = bench.settle_fp8(trainer)
         assert steps >= 1 and seconds > 0
-        assert trainer.fp8.without_history() == 0
+        assert scaling.without_history() == 0
         assert trainer.state.step == 1 + steps
         assert bench.settle_fp8(trainer) == (0, pytest.approx(0, abs=0.5))  # settled: nothing more runs
     finally:

@@ -4,7 +4,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -91,6 +90,7 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
 
     import torch.distributed as dist
 
+    from flux_train.data.sources import build_data
     from flux_train.model.flux import build_model, reference_init
     from flux_train.training.distributed import build_mesh
     from flux_train.training.layout import build_training
@@ -104,14 +104,16 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
         )
         training.assign_weights(reference_init(model, 0, "cpu"))
         monkeypatch.setattr(checkpoint.dcp, "save", dying_save)
+        loader = build_data(cfg, 0, 1).train
+        parts = {"progress": TrainState.of_run(cfg, 1), "layout": training, "loader": loader}
         with pytest.raises(KeyboardInterrupt):
-            checkpoint.Checkpointer(root, keep=5).save(replace(TrainState.of_run(cfg, 1), step=6), training, {})
+            checkpoint.Checkpointer(root, keep=5).save(6, parts)
         monkeypatch.undo()
         assert (root / "step_00000006.tmp").is_dir()
         latest = checkpoint.resolve_resume(cfg, 1)
         assert latest.name == "step_00000004"
-        state, loader = checkpoint.load(latest, training)
-        assert state.step == 4 and loader == {"consumed": 4}
+        checkpoint.load(latest, parts)
+        assert parts["progress"].step == 4 and loader.state_dict() == {"consumed": 4}
     finally:
         dist.destroy_process_group()
     # and a real resume continues from step 4
@@ -180,6 +182,108 @@ def test_export_loads_with_diffusers_from_pretrained_and_reproduces_our_output(t
     assert want.abs().max() > 0
     assert ((got - want).norm() / want.norm()).item() <= 1e-10
     assert (export / "diffusion_pytorch_model.safetensors").stat().st_mode & 0o044 == 0o044  # others can read it
+
+
+def test_an_export_that_does_not_compute_the_checkpoint_s_model_is_removed_in_one_line(tmp_path, monkeypatch, capsys):
+    """The export is loaded back and checked before the command succeeds: a mapping that forgets to swap the final
+    adaLN's halves (planted here) still loads in diffusers, and is caught by its output."""
+    from flux_train.model import diffusers_adapter
+
+    out = tmp_path / "run"
+    run(out, "--set", "train.max_steps=2")
+    monkeypatch.setattr(diffusers_adapter, "_swap_halves", lambda t: t)
+    export = tmp_path / "export"
+    argv = ["export", "--config", "configs/debug.yaml", "--checkpoint", str(out / "checkpoints"), "--out", str(export)]
+    assert export_main(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"error: the export {export} loaded with FluxTransformer2DModel.from_pretrained computes another output than "
+        "the checkpoint's model (relative difference "
+    ), err
+    assert err[0].endswith("it was removed: report this with the checkpoint's config")
+    assert not export.exists()
+
+
+class ModelOnly:
+    """Stands for a training layout as the Checkpointer saves one, holding the model alone (an optimizer's moments
+    would add 4 GB to this test)."""
+
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def state_dict(self) -> dict:
+        return {"model": self.weights}
+
+
+# the debug config at FLUX.1's width, which the single-file layout's readers take as given, one block of each kind
+FLUX1_WIDTH = [
+    "model.num_layers=1",
+    "model.num_single_layers=1",
+    "model.num_attention_heads=24",
+    "model.attention_head_dim=128",
+    "model.axes_dims_rope=[16,56,56]",
+]
+# black-forest-labs' names in flux1-schnell.safetensors (19 double and 38 single blocks there), with their shapes
+BFL_BLOCK_0 = {
+    "img_in.weight": [3072, 64],
+    "time_in.in_layer.weight": [3072, 256],
+    "vector_in.in_layer.weight": [3072, 768],
+    "txt_in.weight": [3072, 4096],
+    "double_blocks.0.img_mod.lin.weight": [18432, 3072],
+    "double_blocks.0.img_attn.qkv.weight": [9216, 3072],
+    "double_blocks.0.img_attn.norm.query_norm.scale": [128],
+    "double_blocks.0.txt_mlp.2.weight": [3072, 12288],
+    "single_blocks.0.linear1.weight": [21504, 3072],
+    "single_blocks.0.linear2.weight": [3072, 15360],
+    "single_blocks.0.modulation.lin.weight": [9216, 3072],
+    "single_blocks.0.norm.key_norm.scale": [128],
+    "final_layer.adaLN_modulation.1.weight": [6144, 3072],
+    "final_layer.linear.weight": [64, 3072],
+}
+
+
+def test_a_bfl_export_is_black_forest_labs_single_file_and_loads_with_from_single_file(tmp_path, capsys):
+    """`--format bfl` writes the checkpoint's tensors under black-forest-labs' names in one .safetensors file, which
+    the command loads back with diffusers' from_single_file (offline) and checks against our model before it says
+    so; a 0.5 B model saved as the trainer saves one."""
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from flux_train.model.flux import build_model, materialize
+    from flux_train.tools.export import read_weights
+
+    cfg = load_config("configs/debug.yaml", FLUX1_WIDTH)
+    model = materialize(build_model(cfg.model, rmsnorm_impl="torch"), torch.device("cpu"), seed=0)
+    with torch.no_grad():
+        for p in model.parameters():  # as trained: no zero-initialised layer left
+            p.add_(0.02 * torch.randn_like(p))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parts = {"progress": TrainState.of_run(cfg, 1), "layout": ModelOnly(model.state_dict())}
+        saved = checkpoint.Checkpointer(tmp_path / "checkpoints", keep=1).save(1, parts)
+    finally:
+        dist.destroy_process_group()
+    del model
+    out = tmp_path / "exported" / "flux1-schnell-trained.safetensors"
+    sets = [arg for setting in FLUX1_WIDTH for arg in ("--set", setting)]
+    argv = ["export", "--format", "bfl", "--config", "configs/debug.yaml", *sets, "--checkpoint", str(saved)]
+    assert export_main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 1 and printed[0].startswith(
+        f"exported {saved} -> {out} (loaded back with FluxTransformer2DModel.from_single_file; its forward pass "
+        "differs from the checkpoint's model by "
+    ), printed
+    expected = read_weights(cfg, saved)
+    with safe_open(str(out), "pt") as f:
+        assert sorted(f.keys()) == sorted(expected)
+        assert {k: list(f.get_slice(k).get_shape()) for k in BFL_BLOCK_0} == BFL_BLOCK_0
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in expected.items())
+    assert out.stat().st_mode & 0o044 == 0o044  # others can read it
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no partial file beside it
+    assert export_main([*argv, "--out", str(out)]) == 2  # nothing is overwritten
+    assert capsys.readouterr().err.strip() == (
+        f"error: --out {out} exists; give a new file to write the export into (nothing is overwritten)"
+    )
 
 
 def test_init_from_an_exported_model_starts_where_it_ended(tmp_path):

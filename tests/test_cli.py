@@ -251,6 +251,19 @@ BAD_INPUTS = [
         "{tmp}/missing.yaml",
     ),
     ("checkpoint-no-checkpoint-given", CHECKPOINT, EXPORT, "the following arguments are required: --checkpoint"),
+    (
+        "checkpoint-bfl-of-another-width",
+        CHECKPOINT,
+        [*EXPORT, "--format", "bfl", "--checkpoint", "{tmp}/empty"],
+        "--format bfl: its readers (ComfyUI, diffusers' from_single_file) assume FLUX.1's hidden size 3072; model "
+        "flavor 'flux-debug' has 64: export it as a diffusers folder (--format diffusers)",
+    ),
+    (
+        "checkpoint-bfl-not-a-safetensors-file",
+        CHECKPOINT,
+        [*EXPORT, "--format", "bfl", "--checkpoint", "{tmp}/empty", "--set", "model.num_attention_heads=192"],
+        "--out {tmp}/exported: --format bfl writes one .safetensors file; give a path ending in .safetensors",
+    ),
     ("checkpoint-unknown-command", CHECKPOINT, ["import"], "argument command: invalid choice: 'import'"),
     ("dataprep-verify-no-such-root", DATAPREP, ["verify", "{tmp}/nowhere"], "{tmp}/nowhere: no such folder"),
     (

@@ -76,14 +76,25 @@ def test_a_pass_is_seeded_by_the_eval_index_and_counts_every_val_sample_once(eva
     _, parts = eval_parts
     evaluator = Evaluator(**parts)
     parts["model"].train()
-    first, count = evaluator.loss(0)
-    assert count == VAL_SAMPLES  # the padded slot of the last batch is not counted
-    assert evaluator.loss(0) == (first, count)  # the same noise again
-    assert evaluator.loss(1)[0] != first  # the next eval draws fresh noise
+    first = evaluator.loss(0)
+    assert first.count == VAL_SAMPLES  # the padded slot of the last batch is not counted
+    assert evaluator.loss(0) == first  # the same noise again
+    assert evaluator.loss(1).loss != first.loss  # the next eval draws fresh noise
     assert parts["model"].training  # the pass leaves the model as it found it
     parts["model"].eval()
     evaluator.loss(0)
     assert not parts["model"].training
+
+
+def test_the_loss_of_each_timestep_averages_to_the_val_loss_weighted_by_its_samples(eval_parts):
+    """Val sample i is noised at t = (i mod 8) / 8: of 11 samples, t = 0, 1/8, 2/8 have two each, the others one.
+    Each t's loss is its own sum over its own count (the last batch's padding sits in t = 0's bin, counted in none)."""
+    _, parts = eval_parts
+    val = Evaluator(**parts | {"val": build_synthetic(debug_config("data.synthetic_val_samples=11"), 0, 1).val}).loss(0)
+    counts = {k / 8: 2 if k < 3 else 1 for k in range(8)}
+    assert val.count == 11 and list(val.by_timestep) == list(counts)
+    assert sum(counts[t] * loss for t, loss in val.by_timestep.items()) / 11 == pytest.approx(val.loss, rel=1e-12)
+    assert len(set(val.by_timestep.values())) == 8  # each t its own loss
 
 
 def test_an_eval_logs_its_events_and_row_then_calls_after_eval_unless_it_reached_the_target(eval_parts, tmp_path):
@@ -100,6 +111,7 @@ def test_an_eval_logs_its_events_and_row_then_calls_after_eval_unless_it_reached
     samples = 25 * cfg.train.global_batch_size
     (row,) = rows
     assert row["step"] == 25 and row["samples"] == samples and row["val_loss"] > 0
+    assert list(row["val_loss_by_t"]) == [0.0, 0.125, 0.25, 0.375, 0.5]  # 5 val samples: t = 0/8 .. 4/8
     assert parts["heartbeat"].state == (25, "eval")  # a hung eval is named as one
     records = read_records(tmp_path / "mllog.log")
     assert [r["key"] for r in records] == ["eval_start", "eval_accuracy", "eval_stop"]
@@ -186,14 +198,21 @@ class TwoTensors:
     def state_dict(self) -> dict:
         return {"model": {"w": self.weights}, "optim": {"m": self.moments, "steps": torch.tensor(self.steps)}}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.weights.copy_(state["model"]["w"])
-        self.moments.copy_(state["optim"]["m"])
-        self.steps = int(state["optim"]["steps"])
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.weights.copy_(state_dict["model"]["w"])
+        self.moments.copy_(state_dict["optim"]["m"])
+        self.steps = int(state_dict["optim"]["steps"])
 
 
 def run_state(step: int) -> TrainState:
     return replace(TrainState.of_run(debug_config(), 1), step=step, eval_count=step // 2)
+
+
+def run_parts(step: int, layout: TwoTensors) -> dict:
+    """A checkpoint's parts at `step`: its progress, the layout, the synthetic loader `step` micro-batches on."""
+    loader = build_synthetic(debug_config(), 0, 1).train
+    loader.load_state_dict({"consumed": step})
+    return {"progress": run_state(step), "layout": layout, "loader": loader}
 
 
 def test_a_checkpoint_is_due_every_interval_and_never_when_off(one_rank, tmp_path):
@@ -207,26 +226,27 @@ def test_saves_are_complete_the_last_k_are_kept_and_load_restores_them(one_rank,
     for step in (1, 2, 3):
         layout.weights.fill_(step)
         layout.steps = step
-        path = saver.save(run_state(step), layout, {"consumed": step})
+        path = saver.save(step, run_parts(step, layout))
         assert path == tmp_path / f"step_{step:08d}" and checkpoint.unreadable(path) is None
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
     assert not list(tmp_path.glob("*.tmp"))
 
-    restored = TwoTensors(-1.0)
-    state, loader = checkpoint.load(tmp_path / "step_00000002", restored)
-    assert state == run_state(2) and loader == {"consumed": 2}
+    restored = run_parts(0, TwoTensors(-1.0))
+    checkpoint.load(tmp_path / "step_00000002", restored)
+    assert restored["progress"] == run_state(2) and restored["loader"].state_dict() == {"consumed": 2}
+    restored = restored["layout"]
     assert (restored.weights == 2).all() and (restored.moments == 0).all() and restored.steps == 2
 
 
 def test_an_async_save_holds_the_state_of_its_step_and_completes_at_the_next_wait(one_rank, tmp_path):
     saver, layout = checkpoint.Checkpointer(tmp_path, keep=2, async_save=True), TwoTensors(1.0)
-    path = saver.save(run_state(4), layout, {"consumed": 4})
+    path = saver.save(4, run_parts(4, layout))
     layout.weights.fill_(9.0)  # training goes on while the files are written
     assert checkpoint.list_checkpoints(tmp_path) == []  # not complete before it is waited for
     assert saver.wait() == path and checkpoint.list_checkpoints(tmp_path) == [path]
     saver.close()
     restored = TwoTensors(0.0)
-    checkpoint.load(path, restored)
+    checkpoint.load(path, run_parts(0, restored))
     assert (restored.weights == 1).all()
 
 
@@ -234,18 +254,21 @@ def test_a_save_that_cannot_be_written_is_a_storage_error_naming_the_checkpoint(
     blocked = tmp_path / "file"
     blocked.write_text("where the checkpoint folder goes")
     with pytest.raises(StorageError, match=f"writing checkpoint {blocked / 'step_00000001'} failed"):
-        checkpoint.Checkpointer(blocked, keep=1).save(run_state(1), TwoTensors(0.0), {})
+        checkpoint.Checkpointer(blocked, keep=1).save(1, run_parts(1, TwoTensors(0.0)))
 
 
 def test_train_state_is_progress_pt_and_round_trips_through_it(tmp_path):
     state = replace(TrainState.of_run(debug_config(), 4), step=7, eval_count=2)
-    progress = state.to_progress()
-    assert set(progress) == {*SHARED, "step", "eval_count", "samples"}  # fp8 only where a run has FP8 scales
+    progress = state.state_dict()
+    assert set(progress) == {*SHARED, "step", "eval_count", "samples"}
     assert progress["samples"] == 7 * 8 and progress["world_size"] == 4 and progress["data_source"] == "synthetic"
     torch.save(progress, tmp_path / "progress.pt")
     assert TrainState.from_progress(torch.load(tmp_path / "progress.pt", weights_only=True)) == state
-    with_fp8 = replace(state, fp8={"history": [[1.0]]})
-    assert TrainState.from_progress(with_fp8.to_progress()) == with_fp8
+    # a checkpoint written before the parts had names holds FP8 scales there (checkpoint.load takes them)
+    assert TrainState.from_progress(progress | {"fp8": {"history": [[1.0]]}}) == state
+    resumed = TrainState.of_run(debug_config(), 4)
+    resumed.load_state_dict(progress)
+    assert resumed == state
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from flux_train.config import ModelConfig, ParallelConfig
+from flux_train.config import ModelConfig, ParallelConfig, PerfConfig
 from flux_train.kernels.fp8 import FP8Linear, FP8Scaling, convert_to_fp8, e4m3_dtype, quantize
 from flux_train.kernels.fp8_cast import cast_transpose_torch
 
@@ -86,7 +86,7 @@ def test_cast_kernel_matches_its_torch_reference(shape, history_scale, fp8, coun
     q, qt, s, sums = (
         t.cpu()
         for t in _cast_transpose_triton(
-            x.to(DEVICE), scale.to(DEVICE), amax_k, arrivals, torch.float32, fmax, True, True
+            x.to(DEVICE), scale.to(DEVICE), amax_k, arrivals, torch.float32, fmax, True, True, True
         )
     )
     if counted:
@@ -131,7 +131,7 @@ def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales, c
         for i, t in enumerate((x, w)):
             amax = prior[i : i + 1].to(DEVICE)
             q, qt, s, _ = _cast_transpose_triton(
-                t.to(DEVICE), scale_t[i].to(DEVICE), amax, no_counts(), torch.float32, 448.0, True, False
+                t.to(DEVICE), scale_t[i].to(DEVICE), amax, no_counts(), torch.float32, 448.0, True, False, True
             )
             singles.append((q.cpu(), qt.cpu(), s.cpu(), amax.cpu()))
         assert torch.equal(xq, singles[0][0]) and torch.equal(xq_t, singles[0][1])
@@ -143,6 +143,23 @@ def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales, c
         tq = cast_transpose_pair(x, w, scale_t, amax_t, E4M3, impl="torch")
         assert torch.equal(tq[2], xs) and torch.equal(tq[5], ws) and torch.equal(amax_t, amax_pair.cpu())
         assert torch.equal(tq[3].float(), wq.to(E4M3).float()) and torch.equal(tq[1], tq[0].t())
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_cast_kernel_writes_only_the_transpose_when_asked(counted):
+    """The backward's cast of a weight gathered again (FP8Linear.recast_weight) writes only the transposed layout,
+    with the same values, scale and amax as the full cast."""
+    from flux_train.kernels.fp8_cast import _cast_transpose_triton
+
+    x = torch.randn(100, 200) * 3
+    both, one = (
+        [t.cpu() for t in _cast_transpose_triton(
+            x.to(DEVICE), torch.tensor(0.01, device=DEVICE), torch.zeros(1, device=DEVICE),
+            counts() if counted else no_counts(), torch.float32, 448.0, True, False, rows,
+        )]
+        for rows in (True, False)
+    )  # fmt: skip
+    assert one[0].numel() == 0 and torch.equal(one[1], both[1]) and torch.equal(one[2], both[2])
 
 
 def test_cast_kernel_keeps_nan_and_casts_zeros_to_zeros():
@@ -160,6 +177,7 @@ def test_cast_kernel_keeps_nan_and_casts_zeros_to_zeros():
             448.0,
             True,
             False,
+            True,
         )
         return [t.cpu() for t in out[:3]]
 
@@ -300,6 +318,37 @@ def test_fp8_linear_forward_and_grads_track_full_precision(recipe):
             scaling.update()
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_linear_casting_its_weight_again_in_backward_computes_the_same(recipe, dtype):
+    """FSDP's FP8 layers cast the weight again in the backward (recast_weight) instead of keeping its e4m3 copy: the
+    same bits, so the same output and gradients, over steps with and without a history; the output and the input
+    gradient come in the input's dtype (an fp32 model stays fp32 past its FP8 layers)."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 64, generator=g) * 0.05, torch.randn(96, generator=g)
+    batches = [(torch.randn(4, 32, 64, generator=g).to(dtype), torch.randn(4, 32, 96, generator=g)) for _ in range(3)]
+    grads = {}
+    for recast in (False, True):
+        lin = nn.Linear(64, 96).to(dtype)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+        convert_to_fp8(lin, recipe, E4M3, lambda fqn, m: True)
+        lin.recast_weight = recast
+        scaling = FP8Scaling.of(lin, torch.device("cpu"))
+        grads[recast] = []
+        for x, dy in batches:
+            x = x.clone().requires_grad_()
+            y = lin(x)
+            y.backward(dy.to(y.dtype))
+            assert y.dtype == x.grad.dtype == dtype
+            grads[recast] += [y.detach(), x.grad, lin.weight.grad, lin.bias.grad]
+            lin.weight.grad = lin.bias.grad = None
+            if scaling is not None:
+                scaling.update()
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
 @pytest.mark.parametrize("impl", ["ours", "torchao"])
 def test_fp8_conversion_swaps_only_the_token_linears_and_keeps_the_weights(impl):
     """Ours and torchao's Float8Linear take the same modules (not the adaLN modulations, whose weight-gradient
@@ -307,11 +356,11 @@ def test_fp8_conversion_swaps_only_the_token_linears_and_keeps_the_weights(impl)
     from torchao.float8.float8_linear import Float8Linear
 
     from flux_train.model.flux import build_model, materialize
-    from flux_train.training.perf import apply_fp8
+    from flux_train.training.precision import precision_for
 
     model = materialize(build_model(TINY), torch.device("cpu"), seed=0)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    apply_fp8(model, "tensorwise", impl, torch.device("cpu"))
+    precision_for(PerfConfig(fp8="tensorwise", fp8_impl=impl), torch.device("cpu")).convert(model)
     fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, (FP8Linear, Float8Linear)))
     assert fp8 == [
         "double_blocks.0.img_attn.proj",
@@ -334,7 +383,7 @@ def test_our_fp8_linears_carry_the_platform_format():
     model = build_model(TINY)
     convert_to_fp8(model, "rowwise", torch.float8_e4m3fnuz, is_token_linear)
     fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
-    assert fp8 and all(m.fp8_dtype == torch.float8_e4m3fnuz and m.recipe == "rowwise" for m in fp8)
+    assert fp8 and all(m.fp8_dtype == torch.float8_e4m3fnuz and m.recipe.per_row for m in fp8)
 
 
 def test_shapes_not_divisible_by_16_fall_back_to_bf16():
@@ -361,15 +410,17 @@ def test_ddp_writes_fp8_weight_gradients_into_its_buckets_as_autograd_computes_t
     from flux_train.model.flux import build_model, materialize
     from flux_train.training.ddp import DDP
     from flux_train.training.distributed import build_mesh
-    from flux_train.training.perf import apply_fp8, compile_blocks
+    from flux_train.training.perf import compile_blocks
+    from flux_train.training.precision import precision_for
 
     device = torch.device(DEVICE)
     model = materialize(build_model(TINY), device, seed=0).bfloat16()
     with torch.no_grad():  # the reference init zeroes the last layers, and with them every block's gradient
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    apply_fp8(model, "delayed", "ours", device)
-    FP8Scaling.of(model, device)
+    precision = precision_for(PerfConfig(fp8="delayed"), device)
+    precision.convert(model)
+    precision.attach(model)
     reference = copy.deepcopy(model)
     weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     compile_blocks(model, "block" if compiled else "none")

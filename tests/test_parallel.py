@@ -66,6 +66,11 @@ def test_layouts_and_rank_counts_match_one_rank(tmp_path, one_rank, nproc, extra
     val1, val2 = column(one_rank, "val_loss"), column(other, "val_loss")
     assert len(val1) == len(val2) == 2
     assert val2 == pytest.approx(val1, rel=2e-2)
+    # each t's loss is reduced with the sum and the count: on 2 ranks (rank 0 holds the val samples of even k, rank 1
+    # those of odd k) every t = k/8 is there, 2 samples each, and they average to the val loss
+    for row in [r for r in metrics(other) if "val_loss" in r]:
+        assert list(row["val_loss_by_t"]) == [str(k / 8) for k in range(8)]
+        assert sum(row["val_loss_by_t"].values()) / 8 == pytest.approx(row["val_loss"], rel=1e-12)
 
 
 @pytest.mark.slow

@@ -186,11 +186,11 @@ def test_outputs_that_cannot_be_written_end_in_one_line(trained, tiny_models, pr
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
 
-def test_trainer_draws_the_grid_the_command_draws_after_each_eval_s_mllog_events(tiny_models, prompts, tmp_path):
-    """Two ranks (FSDP shards gathered to rank 0): a grid per eval, drawn between eval_stop and the next block_start,
-    the same pixels as the command draws from the checkpoint of that step."""
-    flux = tmp_path / "FLUX.1-schnell"  # the pipeline folder layout eval.sample_weights names
-    flux.mkdir()
+@pytest.fixture
+def flux(tiny_models, tmp_path):
+    """The tiny models in the pipeline folder layout eval.sample_weights names."""
+    folder = tmp_path / "FLUX.1-schnell"
+    folder.mkdir()
     for name, source in (
         ("vae", "vae"),
         ("text_encoder_2", "t5"),
@@ -198,7 +198,13 @@ def test_trainer_draws_the_grid_the_command_draws_after_each_eval_s_mllog_events
         ("text_encoder", "clip"),
         ("tokenizer", "tokenizer"),
     ):
-        (flux / name).symlink_to(tiny_models / source)
+        (folder / name).symlink_to(tiny_models / source)
+    return folder
+
+
+def test_trainer_draws_the_grid_the_command_draws_after_each_eval_s_mllog_events(tiny_models, flux, prompts, tmp_path):
+    """Two ranks (FSDP shards gathered to rank 0): a grid per eval, drawn between eval_stop and the next block_start,
+    the same pixels as the command draws from the checkpoint of that step."""
     out = tmp_path / "run"
     proc = run_outputs.train(
         out,
@@ -249,3 +255,41 @@ def test_trainer_draws_the_grid_the_command_draws_after_each_eval_s_mllog_events
     same_step, earlier_step = np.abs(pixels[0] - pixels[2]), np.abs(pixels[0] - pixels[1])
     assert same_step.max() <= 1 and same_step.mean() < 0.01  # float rounding of other thread counts at most
     assert earlier_step.mean() > 0.1  # two training steps earlier: other weights, other pixels
+
+
+def test_an_out_of_memory_error_in_a_grid_is_one_warning_and_the_run_trains_on_to_the_same_losses(
+    flux, prompts, tmp_path, capfd, monkeypatch
+):
+    """A CUDA out-of-memory error raised inside the first grid's transformer (planted: this machine has no GPU to run
+    out of) costs that grid and one warning line: the run trains to its step cap with the losses of a run without
+    samples, and the next eval's grid is drawn."""
+    from diffusers import FluxTransformer2DModel
+
+    forward, calls = FluxTransformer2DModel.forward, []
+
+    def out_of_memory_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB (planted by the test)")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(FluxTransformer2DModel, "forward", out_of_memory_once)
+    common = ["data.source=synthetic", "train.max_steps=4", "eval.every_steps=2", "logging.log_every=1"]
+    runs = {"samples": tmp_path / "samples", "none": tmp_path / "none"}
+    drawn = [f"eval.sample_prompts={prompts}", f"eval.sample_weights={flux}"]
+    for name, out in runs.items():
+        extra = drawn if name == "samples" else []
+        argv = ["--config", "configs/debug.yaml", *run_outputs.set_flags([*common, *extra, f"logging.out_dir={out}"])]
+        assert train.main(argv, sampler=sample.Sampler.for_run) == 0
+    err = capfd.readouterr().err
+    grids = runs["samples"] / "samples"
+    assert [line for line in err.splitlines() if "warning" in line or "Traceback" in line] == [
+        f"flux-train: warning: could not write {grids / 'step_00000002.png'} (OutOfMemoryError: CUDA out of memory. "
+        "Tried to allocate 24.00 GiB (planted by the test)); training goes on"
+    ]
+    assert [g.name for g in grids.iterdir()] == ["step_00000004.png"]  # the next grid is drawn
+    rows = {name: run_outputs.metrics(out) for name, out in runs.items()}
+    assert [r.get("loss", r.get("val_loss")) for r in rows["samples"]] == [
+        r.get("loss", r.get("val_loss")) for r in rows["none"]
+    ]
+    assert len([r for r in rows["none"] if "val_loss" in r]) == 2

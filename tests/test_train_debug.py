@@ -50,10 +50,14 @@ def test_report_png_draws_the_numbers_of_metrics_jsonl_and_tensorboard_has_them(
     out, _ = debug_run
     rows = metrics(out)
     png = Image.open(out / "report.png")
-    assert png.format == "PNG" and png.size == (900, 1000)
+    assert png.format == "PNG" and png.size == (900, 1300)
     drawn = json.loads(png.text["flux_train.outputs.report"])  # the numbers the panels plot
     assert drawn["target"] == 0.586
     assert drawn["val_loss"] == [[r["samples"], r["val_loss"]] for r in rows if "val_loss" in r]
+    evals = [r for r in rows if "val_loss" in r]
+    assert drawn["val_loss_by_t"] == {
+        str(k / 8): [[r["samples"], r["val_loss_by_t"][str(k / 8)]] for r in evals] for k in range(8)
+    }
     assert drawn["train_loss"] == [[r["step"] * 8, r["loss"]] for r in rows if "loss" in r]  # GBS 8
     assert drawn["samples_per_s_per_gpu"] == [[r["step"] * 8, r["samples_per_s_per_gpu"]] for r in rows if "loss" in r]
     assert drawn["val_loss"][-1][1] <= 0.586  # the report of the run's end holds its last eval
@@ -66,6 +70,9 @@ def test_report_png_draws_the_numbers_of_metrics_jsonl_and_tensorboard_has_them(
         logged = [r for r in rows if tag in r]
         assert [e.step for e in board.Scalars(tag)] == [r["step"] for r in logged]
         assert [e.value for e in board.Scalars(tag)] == pytest.approx([r[tag] for r in logged], rel=1e-6)
+    for t in ("0.0", "0.5", "0.875"):
+        values = [r["val_loss_by_t"][t] for r in evals]
+        assert [e.value for e in board.Scalars(f"val_loss_by_t/{t}")] == pytest.approx(values, rel=1e-6)
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ class TrainStream:
     def state_dict(self) -> dict:
         raise NotImplementedError
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
         raise NotImplementedError
 
 

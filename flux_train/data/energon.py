@@ -169,17 +169,17 @@ class EnergonTrainStream(TrainStream):
             "energon": pickle.dumps(self.loader.save_state_rank()),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
         for key, mine in (("world_size", self.world), ("num_workers", self.num_workers), ("rank", self.rank)):
-            if state[key] != mine:
+            if state_dict[key] != mine:
                 raise ValueError(
-                    f"data loader state was saved with {key}={state[key]}, this run has {key}={mine}: energon "
+                    f"data loader state was saved with {key}={state_dict[key]}, this run has {key}={mine}: energon "
                     f"resumes the exact sample order only with the same world size, num_workers and rank; "
                     f"resume with the original layout (data.num_workers, number of GPUs) or start the data fresh"
                 )
         if self._iter is not None:
             raise RuntimeError("load_state_dict must be called before the first batch")
-        self.loader.restore_state_rank(pickle.loads(state["energon"]))
+        self.loader.restore_state_rank(pickle.loads(state_dict["energon"]))
 
 
 def val_counts(total: int, world: int, num_workers: int) -> list[int]:

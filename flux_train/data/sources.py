@@ -56,8 +56,8 @@ class SyntheticTrainStream(TrainStream):
     def state_dict(self) -> dict:
         return {"consumed": self.consumed}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.consumed = int(state["consumed"])
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.consumed = int(state_dict["consumed"])
 
 
 def _pinned(batch: dict) -> dict:

@@ -13,7 +13,8 @@ Recipes (`perf.fp8`):
   channel in forward; dY per token and W per input channel for dX; dY and X per column for dW), the recipe
   that keeps outlier channels from flattening everything else (torch ops).
 Weights stay bf16/fp32 masters; only GEMM inputs are cast. Accumulation is fp32 in the tensor cores
-(torch._scaled_mm) and outputs are bf16; the backward keeps the FP8 operands it needs, not the bf16 ones.
+(torch._scaled_mm) and outputs come in the input's dtype; the backward keeps the FP8 operands it needs, not the bf16
+ones (under FSDP, `recast_weight`: the weight's are cast again from the weight gathered for the backward).
 A layer given a `wgrad_sink` (a flat tensor of the weight's size and dtype: the ddp layout's gradient bucket slice)
 has its tensorwise weight-gradient GEMM write there and hands autograd a view of it, so the gradient is not
 copied into the bucket afterwards (flux_train.training.ddp).
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flux_train.kernels.fp8_cast import cast_transpose, cast_transpose_pair
+from flux_train.precision_recipes import RECIPES, Recipe
 
 E4M3 = torch.float8_e4m3fn
 
@@ -82,24 +84,28 @@ def scaled_mm(
     b_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     fast_accum: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """a [M,K] row-major, b [K,N] column-major, scales [M,1]/[1,N] (or scalars) -> bf16 a @ b (+ bias, added in
-    the GEMM's epilogue). `fast_accum`: Hopper's FP8 tensor cores accumulate without promoting partial sums to
-    fp32 (faster; what Transformer Engine and torchao do in the forward, not for gradients)."""
-    if bias is not None:
-        bias = bias.to(torch.bfloat16)
+    """a [M,K] row-major, b [K,N] column-major, scales [M,1]/[1,N] (or scalars) -> a @ b (+ bias) in `out_dtype`
+    (bf16, or fp32 for a model computing in fp32). A bf16 output takes the bias in the GEMM's epilogue; an fp32 one
+    adds it after, in fp32 (the epilogue would round it to bf16). `fast_accum`: Hopper's FP8 tensor cores accumulate
+    without promoting partial sums to fp32 (faster; what Transformer Engine and torchao do in the forward, not for
+    gradients)."""
+    epilogue = bias.to(torch.bfloat16) if bias is not None and out_dtype == torch.bfloat16 else None
     if a.is_cuda:
-        return torch._scaled_mm(
+        out = torch._scaled_mm(
             a,
             b,
             scale_a=a_scale.reshape(-1, 1) if a_scale.dim() else a_scale,
             scale_b=b_scale.reshape(1, -1) if b_scale.dim() else b_scale,
-            bias=bias,
-            out_dtype=torch.bfloat16,
+            bias=epilogue,
+            out_dtype=out_dtype,
             use_fast_accum=fast_accum,
         )
-    out = (a.float() * a_scale) @ (b.float() * b_scale)
-    return (out if bias is None else out + bias.float()).to(torch.bfloat16)
+    else:
+        out = (a.float() * a_scale) @ (b.float() * b_scale)
+        out = (out if epilogue is None else out + epilogue.float()).to(out_dtype)
+    return out if bias is None or epilogue is not None else out + bias.to(out_dtype)
 
 
 @torch.library.custom_op("flux_train::scaled_mm_into", mutates_args=("out",))
@@ -120,36 +126,42 @@ class _TensorwiseLinear(torch.autograd.Function):
     """x2 @ weight^T + bias with one scale per tensor. `scales` [3] (x, w, dY; 0 = current scaling) are read,
     `amax` [2] (x, w) and `amax_grad` [1] (dY) raised to this call's maxima; the weight gradient is written
     into `sink` where one is given. `arrivals` [2] and `arrivals_grad` [1] (or None) are the casts' counts
-    (kernels/fp8_cast.py)."""
+    (kernels/fp8_cast.py). `recast_weight`: the backward casts the weight again (at the forward's scale, the same
+    bits) instead of keeping its e4m3 transpose from the forward: under FSDP the weight is gathered again for the
+    backward anyway, and the kept copies were one byte per parameter of the whole model on every rank."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, scales, amax, amax_grad, arrivals, arrivals_grad, dtype, sink):
+    def forward(ctx, x2, weight, bias, scales, amax, amax_grad, arrivals, arrivals_grad, dtype, sink, recast_weight):
         xq, xq_t, xs, wq, wq_t, ws = cast_transpose_pair(x2, weight, scales[0:2], amax, dtype, arrivals=arrivals)
-        ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
+        ctx.dtype, ctx.weight_dtype, ctx.x_dtype = dtype, weight.dtype, x2.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.recast_weight = recast_weight
         # the backward's operands in the layouts it needs, in e4m3: half the bytes of the bf16 ones
-        ctx.save_for_backward(xq_t, xs, wq_t, ws, scales, amax_grad)
+        ctx.save_for_backward(xq_t, xs, weight if recast_weight else wq_t, ws, scales, amax, amax_grad)
         ctx.sink = sink  # not saved: every write into its bucket bumps the version counter the views share
         ctx.arrivals_grad = arrivals_grad  # not saved either: a counter, zero between calls
-        return scaled_mm(xq, xs, wq.t(), ws, bias, fast_accum=True)
+        # the output in x's dtype: an fp32 model stays fp32 after its FP8 layers (attention included)
+        return scaled_mm(xq, xs, wq.t(), ws, bias, fast_accum=True, out_dtype=x2.dtype)
 
     @staticmethod
     def backward(ctx, dy):  # pyright: ignore[reportIncompatibleMethodOverride] - one output, one gradient
-        xq_t, xs, wq_t, ws, scales, amax_grad = ctx.saved_tensors
+        xq_t, xs, wq_t, ws, scales, amax, amax_grad = ctx.saved_tensors
+        if ctx.recast_weight:  # wq_t is the weight: its transpose at the forward's scale (its maximum is already in)
+            _, wq_t, _, _ = cast_transpose(wq_t, ws, amax[1:2], ctx.dtype, rows=False)
         sink = ctx.sink
         with_bias = ctx.bias_dtype is not None
         # the bias gradient (dY's column sums) comes from the same read of dY as its casts
         dyq, dyq_t, dys, dbias = cast_transpose(
             dy.contiguous(), scales[2], amax_grad, ctx.dtype, column_sums=with_bias, arrivals=ctx.arrivals_grad
         )
-        dx = scaled_mm(dyq, dys, wq_t.t(), ws)  # dX = dY @ W, W as [N,K] column-major
+        dx = scaled_mm(dyq, dys, wq_t.t(), ws, out_dtype=ctx.x_dtype)  # dX = dY @ W, W as [N,K] column-major
         # dW = dY^T @ X, X as [M,K] column-major
         if sink is None:
             dw = scaled_mm(dyq_t, dys, xq_t.t(), xs).to(ctx.weight_dtype)
         else:  # a new view (also in a compiled graph), held by autograd alone, becomes the .grad as it is
             scaled_mm_into(dyq_t, dys, xq_t.t(), xs, sink)
             dw = sink.view(dyq_t.shape[0], xq_t.shape[0])
-        return dx, dw, dbias.to(ctx.bias_dtype) if with_bias else None, None, None, None, None, None, None, None
+        return dx, dw, dbias.to(ctx.bias_dtype) if with_bias else None, None, None, None, None, None, None, None, None
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -160,7 +172,7 @@ class _RowwiseLinear(torch.autograd.Function):
         wq, ws = quantize(weight, 1, dtype)  # per output channel
         # rowwise backward scales run along the other axis and need the high-precision operands
         ctx.save_for_backward(x2, weight)
-        return scaled_mm(xq, xs, wq.t(), ws.t())
+        return scaled_mm(xq, xs, wq.t(), ws.t(), out_dtype=x2.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # pyright: ignore[reportIncompatibleMethodOverride] - one gradient
@@ -169,7 +181,7 @@ class _RowwiseLinear(torch.autograd.Function):
         dyq, dys = quantize(dy, 1, ctx.dtype)  # per token (over N)
         dyq0, dys0 = quantize(dy, 0, ctx.dtype)  # per column, over the tokens
         xq0, xs0 = quantize(x2, 0, ctx.dtype)
-        dx = scaled_mm(dyq, dys, _column_major(wq), ws)  # dX = dY @ W
+        dx = scaled_mm(dyq, dys, _column_major(wq), ws, out_dtype=x2.dtype)  # dX = dY @ W
         dw = scaled_mm(dyq0.t().contiguous(), dys0.t(), _column_major(xq0), xs0)  # dY^T X
         return dx, dw.to(ctx.weight_dtype), None
 
@@ -179,10 +191,11 @@ class FP8Linear(nn.Linear):
     tensorwise recipes read their scales from `fp8_scale` and write this step's maxima into `fp8_amax` /
     `fp8_amax_grad` (buffers made by `FP8Scaling.of`; outside a training forward, into fresh ones)."""
 
-    recipe: str = "delayed"
+    recipe: Recipe  # perf.fp8's, set by convert_to_fp8
     fp8_dtype: torch.dtype = E4M3
     history: int = 16
     wgrad_sink: torch.Tensor | None = None  # flat; where the tensorwise recipes write the weight gradient (ddp sets it)
+    recast_weight: bool = False  # cast the weight again in backward instead of keeping its e4m3 copy (fsdp sets it)
     # buffers FP8Scaling.of registers
     fp8_scale: torch.Tensor
     fp8_amax: torch.Tensor
@@ -198,23 +211,23 @@ class FP8Linear(nn.Linear):
         if n % 16 or k % 16 or m % 16:
             return F.linear(x, self.weight, self.bias)
         x2, weight = x.reshape(m, k), self.weight.to(x.dtype)
-        if self.recipe == "rowwise":
+        if self.recipe.per_row:
             y = _RowwiseLinear.apply(x2, weight, self.fp8_dtype).reshape(*x.shape[:-1], n)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         # delayed scaling records the maxima of training steps only; current scaling needs fresh maxima
-        record = self.recipe == "delayed" and torch.is_grad_enabled()
+        record = self.recipe.history and torch.is_grad_enabled()
         amax = self.fp8_amax if record else torch.zeros(2, device=x.device)
         amax_grad = self.fp8_amax_grad if record else torch.zeros(1, device=x.device)
         sink = self.wgrad_sink if self.weight.dtype == x.dtype else None  # the gradient is the parameter's own
         # delayed: the casts go without an amax kernel (a history is there on all but a few steps)
-        counts = (self.fp8_arrivals, self.fp8_arrivals_grad) if self.recipe == "delayed" else (None, None)
+        counts = (self.fp8_arrivals, self.fp8_arrivals_grad) if self.recipe.history else (None, None)
         y = _TensorwiseLinear.apply(
-            x2, weight, self.bias, self.fp8_scale, amax, amax_grad, *counts, self.fp8_dtype, sink
+            x2, weight, self.bias, self.fp8_scale, amax, amax_grad, *counts, self.fp8_dtype, sink, self.recast_weight
         )
         return y.reshape(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe}, fp8={self.fp8_dtype}"
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, fp8={self.fp8_dtype}"
 
 
 def convert_to_fp8(model: nn.Module, recipe: str, dtype: torch.dtype, module_filter, history: int = 16) -> nn.Module:
@@ -224,7 +237,7 @@ def convert_to_fp8(model: nn.Module, recipe: str, dtype: torch.dtype, module_fil
         if module_filter(fqn, module) and type(module) is nn.Linear:
             module.__class__ = FP8Linear
             fp8 = typing.cast(FP8Linear, module)
-            fp8.recipe, fp8.fp8_dtype, fp8.history = recipe, dtype, history
+            fp8.recipe, fp8.fp8_dtype, fp8.history = RECIPES[recipe], dtype, history
     return model
 
 
@@ -233,7 +246,8 @@ class FP8Scaling:
     and the scales [3] the next step casts with: max(history) * 2^margin / max(e4m3), 0 while the history is
     empty (current scaling). All ranks agree on them (this step's maxima are all-reduced), so a checkpoint holds
     one copy. `overflows` counts (layer, operand) pairs whose step maximum exceeded what its scale could hold
-    (those values saturated)."""
+    (those values saturated); `saturations` [layers, 3] counts, by pair, the steps whose maximum exceeded it by
+    more than an e4m3 step (1/8): the overflows that lose more than the format's own rounding (not checkpointed)."""
 
     def __init__(self, layers: list[FP8Linear], margin: int, device: torch.device):
         self.layers, self.margin = layers, margin
@@ -242,6 +256,7 @@ class FP8Scaling:
         self.scales = [m.fp8_scale for m in layers]
         self.maxima = [m.fp8_amax for m in layers] + [m.fp8_amax_grad for m in layers]  # [2] each, then [1]
         self.overflows = torch.zeros((), dtype=torch.int64, device=device)
+        self.saturations = torch.zeros(len(layers), 3, dtype=torch.int64, device=device)
 
     @classmethod
     def of(cls, model: nn.Module, device: torch.device, margin: int = 0) -> FP8Scaling | None:
@@ -255,7 +270,7 @@ class FP8Scaling:
             m.register_buffer("fp8_history", torch.zeros(3, m.history, device=device), persistent=False)
             m.register_buffer("fp8_arrivals", torch.zeros(2, dtype=torch.int32, device=device), persistent=False)
             m.register_buffer("fp8_arrivals_grad", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
-        delayed = [m for m in layers if m.recipe == "delayed"]
+        delayed = [m for m in layers if m.recipe.history]
         return cls(delayed, margin, device) if delayed else None
 
     @torch.no_grad()
@@ -267,7 +282,10 @@ class FP8Scaling:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(step, op=dist.ReduceOp.MAX)
         used = torch.stack(self.scales)
-        self.overflows += ((used > 0) & (step > used * self.fmax)).sum()
+        held = used * self.fmax
+        overflowed = (used > 0) & (step > held)
+        self.overflows += overflowed.sum()
+        self.saturations += overflowed & (step > held * (1 + 2**-3))
         history = torch.cat([step[..., None], torch.stack(self.histories)[..., :-1]], dim=-1)
         torch._foreach_copy_(self.histories, list(history.unbind(0)))
         torch._foreach_copy_(self.scales, list(self._scales(history).unbind(0)))
@@ -286,6 +304,7 @@ class FP8Scaling:
         """No history (after warm-up steps on synthetic data): the next step scales from current maxima."""
         torch._foreach_zero_(self.histories + self.scales + self.maxima)
         self.overflows.zero_()
+        self.saturations.zero_()
 
     def state_dict(self) -> dict:
         return {"history": torch.stack(self.histories).cpu(), "overflows": self.overflows.cpu()}

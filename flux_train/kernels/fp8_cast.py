@@ -14,8 +14,9 @@ current scaling, decided on the GPU, so the same captured graph serves both. Its
   program only folds its tile into `amax` and counts itself in; the last to arrive then casts the whole tensor
   alone. That is slow (one SM), but only on the steps without a history: the first, and a gradient's first
   non-zero one (the gates are zero at init).
-Returns (q, q transposed or an empty tensor, the scale used, and with `column_sums` x's fp32 sums over its rows:
-a bias gradient when x is the output gradient, at no extra read). `cast_transpose_pair` casts a GEMM's two
+Returns (q or, without `rows`, an empty tensor, q transposed or an empty tensor, the scale used, and with
+`column_sums` x's fp32 sums over its rows: a bias gradient when x is the output gradient, at no extra read); the
+kernels' LAYOUTS says which it writes (1: q, 2: q transposed, 3: both). `cast_transpose_pair` casts a GEMM's two
 forward operands (x and W, the same K) in one launch: inside a captured step the launches, not the bytes, are
 what the small casts cost.
 
@@ -41,13 +42,14 @@ def cast_transpose_torch(
     dtype: torch.dtype,
     transpose: bool = True,
     column_sums: bool = False,
+    rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     fmax = torch.finfo(dtype).max
     amax.copy_(torch.maximum(amax, x.abs().amax().float()))
     s = torch.where(scale > 0, scale, amax.clamp(min=TINY_AMAX) / fmax).reshape(())
     q = (x.float() * (1.0 / s)).clamp(-fmax, fmax).to(dtype)
     sums = x.float().sum(0) if column_sums else x.new_empty(0, dtype=torch.float32)
-    return q, q.t().contiguous() if transpose else q.new_empty(0), s, sums
+    return q if rows else q.new_empty(0), q.t().contiguous() if transpose else q.new_empty(0), s, sums
 
 
 if HAVE_TRITON:
@@ -80,7 +82,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _store_tile(
-        Q, QT, M, K, row0, col0, x, mask, s, FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr,
+        Q, QT, M, K, row0, col0, x, mask, s, FMAX: tl.constexpr, LAYOUTS: tl.constexpr, BM: tl.constexpr,
         BK: tl.constexpr,
     ):  # fmt: skip
         rm, rk = tl.arange(0, BM), tl.arange(0, BK)
@@ -88,8 +90,9 @@ if HAVE_TRITON:
         # NaN stays NaN (a diverging run must show it), large values saturate
         y = tl.clamp(x * inv, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
         q = y.to(Q.dtype.element_ty)
-        tl.store(Q + (row0.to(tl.int64) * K + col0) + (rm[:, None] * K + rk[None, :]), q, mask=mask)
-        if TRANSPOSE:
+        if LAYOUTS & 1:  # x's layout
+            tl.store(Q + (row0.to(tl.int64) * K + col0) + (rm[:, None] * K + rk[None, :]), q, mask=mask)
+        if LAYOUTS & 2:  # the transposed one
             # the same registers at the transposed addresses: Triton stages the tile through shared memory so
             # that both stores are coalesced
             tl.store(QT + (col0.to(tl.int64) * M + row0) + (rk[None, :] * M + rm[:, None]), q, mask=mask)
@@ -97,9 +100,9 @@ if HAVE_TRITON:
     @triton.jit
     def _cast_own_tile(
         Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, s, FMAX: tl.constexpr,
-        TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+        LAYOUTS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
-        _store_tile(Q, QT, M, K, tile_m * BM, tile_k * BK, x, mask, s, FMAX, TRANSPOSE, BM, BK)
+        _store_tile(Q, QT, M, K, tile_m * BM, tile_k * BK, x, mask, s, FMAX, LAYOUTS, BM, BK)
         tl.atomic_max(AMAX, tile_amax)
         if (tile_m == 0) & (tile_k == 0):
             tl.store(S_OUT, s)
@@ -119,7 +122,7 @@ if HAVE_TRITON:
         tile_m,
         tile_k,
         FMAX: tl.constexpr,
-        TRANSPOSE: tl.constexpr,
+        LAYOUTS: tl.constexpr,
         COLUMN_SUMS: tl.constexpr,
         COUNTED: tl.constexpr,
         BM: tl.constexpr,
@@ -134,7 +137,7 @@ if HAVE_TRITON:
         hist = tl.load(SCALE)
         if COUNTED:
             if hist > 0:
-                _cast_own_tile(Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, hist, FMAX, TRANSPOSE,
+                _cast_own_tile(Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, hist, FMAX, LAYOUTS,
                                BM, BK)  # fmt: skip
             else:  # no history: the last program to arrive casts the whole tensor
                 tl.atomic_max(AMAX, tile_amax)
@@ -146,14 +149,14 @@ if HAVE_TRITON:
                     for t in range(0, tiles):
                         r0, c0 = (t // tiles_k) * BM, (t % tiles_k) * BK
                         xt, mt = _load_tile(X, M, K, r0, c0, BM, BK)
-                        _store_tile(Q, QT, M, K, r0, c0, xt, mt, s, FMAX, TRANSPOSE, BM, BK)
+                        _store_tile(Q, QT, M, K, r0, c0, xt, mt, s, FMAX, LAYOUTS, BM, BK)
                     tl.store(S_OUT, s)
                     tl.store(ARRIVALS, 0)  # ready for the next call
         else:
             # without a history AMAX already holds this tensor's amax (the first kernel), and the atomic maxes
             # cannot raise it: every program reads the same value
             s = tl.where(hist > 0, hist, tl.div_rn(tl.maximum(tl.load(AMAX), 1e-12), FMAX))
-            _cast_own_tile(Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, s, FMAX, TRANSPOSE, BM, BK)
+            _cast_own_tile(Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, s, FMAX, LAYOUTS, BM, BK)
 
     @triton.jit
     def _cast_transpose_kernel(
@@ -173,7 +176,7 @@ if HAVE_TRITON:
         S_OUT2,
         SUMS,
         FMAX: tl.constexpr,
-        TRANSPOSE: tl.constexpr,
+        LAYOUTS: tl.constexpr,
         COLUMN_SUMS: tl.constexpr,
         COUNTED: tl.constexpr,
         BM: tl.constexpr,
@@ -184,10 +187,10 @@ if HAVE_TRITON:
         tiles = tl.cdiv(M, BM)
         if tl.program_id(0) < tiles:
             _cast_tile(X, Q, QT, SCALE, AMAX, ARRIVALS, S_OUT, SUMS, M, K, tl.program_id(0), tl.program_id(1),
-                       FMAX, TRANSPOSE, COLUMN_SUMS, COUNTED, BM, BK)  # fmt: skip
+                       FMAX, LAYOUTS, COLUMN_SUMS, COUNTED, BM, BK)  # fmt: skip
         else:
             _cast_tile(X2, Q2, QT2, SCALE + 1, AMAX + 1, ARRIVALS + 1, S_OUT2, SUMS, M2, K, tl.program_id(0) - tiles,
-                       tl.program_id(1), FMAX, TRANSPOSE, COLUMN_SUMS, COUNTED, BM, BK)  # fmt: skip
+                       tl.program_id(1), FMAX, LAYOUTS, COLUMN_SUMS, COUNTED, BM, BK)  # fmt: skip
 
     _AMAX_BLOCK = 4096
     # rows x columns of x (256-byte loads, 128- and 64-byte stores per row/column), warps: measured on an H200
@@ -201,7 +204,10 @@ if HAVE_TRITON:
             return 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
         return 4
 
-    def _launch(xs: list[torch.Tensor], scale, amax, arrivals, dtype, fmax: float, transpose: bool, column_sums: bool):
+    def _launch(
+        xs: list[torch.Tensor], scale, amax, arrivals, dtype, fmax: float, transpose: bool, column_sums: bool,
+        rows: bool = True,
+    ):  # fmt: skip
         """The kernels over one operand or two of the same K (`scale`, `amax`, `arrivals`: one element per operand;
         `arrivals` empty: the amax kernel first). A lone operand's second is a zero-row tensor with outputs of its
         own, never the first's again: a compiled graph gives each tensor a kernel writes a copy of its own, and of
@@ -209,7 +215,7 @@ if HAVE_TRITON:
         x, k = xs[0], xs[0].shape[1]
         x2 = xs[1] if len(xs) == 2 else x.new_empty(0, k)  # no rows: the kernel takes no tile of it
         (m, _), (m2, _) = x.shape, x2.shape
-        qs = [torch.empty(t.shape, device=x.device, dtype=dtype) for t in (x, x2)]
+        qs = [torch.empty(t.shape if rows else (0,), device=x.device, dtype=dtype) for t in (x, x2)]
         qts = [torch.empty((k, t.shape[0]) if transpose else (0,), device=x.device, dtype=dtype) for t in (x, x2)]
         # one scale per operand (torch._scaled_mm takes no scale at an offset into a larger tensor), allocated with a
         # dimension and returned as a 0-dim view: Inductor fills a 0-dim empty with a kernel of its own (2 launches
@@ -239,7 +245,7 @@ if HAVE_TRITON:
             ss[1],
             partial,
             FMAX=fmax,
-            TRANSPOSE=transpose,
+            LAYOUTS=int(rows) | 2 * int(transpose),
             COLUMN_SUMS=column_sums,
             COUNTED=counted,
             BM=bm,
@@ -258,10 +264,11 @@ if HAVE_TRITON:
         fmax: float,
         transpose: bool,
         column_sums: bool,
+        rows: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`dtype` the values' type (e4m3; the tests take fp32 values under the interpreter, whose e4m3
         conversion is not faithful), `fmax` the e4m3 format's largest value."""
-        (q,), (qt,), (s,), partial = _launch([x], scale, amax, arrivals, dtype, fmax, transpose, column_sums)
+        (q,), (qt,), (s,), partial = _launch([x], scale, amax, arrivals, dtype, fmax, transpose, column_sums, rows)
         return q, qt, s, partial.sum(0) if column_sums else partial
 
     @triton_op("flux_train::fp8_cast_transpose_pair", mutates_args={"amax", "arrivals"})
@@ -281,8 +288,11 @@ if HAVE_TRITON:
 
 def _triton_counts(x: torch.Tensor, amax: torch.Tensor, impl: str, arrivals: torch.Tensor | None):
     """None where the torch path casts (`impl`: see cast_transpose), else the counts the Triton op takes (empty for
-    None: the amax kernel)."""
-    if not (impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda)):
+    None: the amax kernel). `auto` casts fp32 operands (train.compute_dtype=float32: the debug model) in torch ops:
+    on an H100 the kernel's transposed output of fp32 operands came out wrong (an all-zero fp32 [256, 64] tensor's
+    transpose held non-zero bytes; e4m3 NaNs in the debug model's step-1 weight gradients), while bf16 operands of
+    every shape match torch bit for bit (tests/test_gpu.py)."""
+    if not (impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda and x.dtype != torch.float32)):
         return None
     if not kernels_run_on(x.device):
         raise RuntimeError("the Triton FP8 cast needs a GPU (or Triton's interpreter on the CPU)")
@@ -298,16 +308,17 @@ def cast_transpose(
     column_sums: bool = False,
     impl: str = "auto",
     arrivals: torch.Tensor | None = None,
+    rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(e4m3 x, e4m3 x transposed (row-major; empty unless `transpose`), the scale used, x's fp32 column sums
-    (empty unless `column_sums`)) for a 2-D x; `amax` (1-element fp32) is raised to |x|'s maximum. `impl`: auto
-    (Triton on a GPU, torch elsewhere), triton (also on the CPU under Triton's interpreter: the tests), torch.
-    `arrivals`: a 1-element int32 zero that stays with this operand (see above; None: the amax kernel)."""
+    """(e4m3 x (empty unless `rows`), e4m3 x transposed (row-major; empty unless `transpose`), the scale used, x's
+    fp32 column sums (empty unless `column_sums`)) for a 2-D x; `amax` (1-element fp32) is raised to |x|'s maximum.
+    `impl`: auto (Triton on a GPU, torch elsewhere), triton (also on the CPU under Triton's interpreter: the tests),
+    torch. `arrivals`: a 1-element int32 zero that stays with this operand (see above; None: the amax kernel)."""
     counts = _triton_counts(x, amax, impl, arrivals)
     if counts is not None:
         fmax = torch.finfo(dtype).max
-        return _cast_transpose_triton(x.contiguous(), scale, amax, counts, dtype, fmax, transpose, column_sums)
-    return cast_transpose_torch(x, scale, amax, dtype, transpose, column_sums)
+        return _cast_transpose_triton(x.contiguous(), scale, amax, counts, dtype, fmax, transpose, column_sums, rows)
+    return cast_transpose_torch(x, scale, amax, dtype, transpose, column_sums, rows)
 
 
 def cast_transpose_pair(

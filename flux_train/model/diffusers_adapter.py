@@ -223,10 +223,15 @@ def save_diffusers(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | 
         model = FluxTransformer2DModel(**diffusers_config(cfg))
     model.load_state_dict(to_diffusers(state, cfg), assign=True, strict=True)
     model.save_pretrained(str(out), safe_serialization=True)
-    # the weights file is written through a private temporary file (mode 0600): give it the mode any file
-    # created here gets, so the team can read an export
-    umask = os.umask(0)
-    os.umask(umask)
+    # the weights file is written through a private temporary file (mode 0600)
     for f in Path(out).iterdir():
         if f.is_file():
-            f.chmod(0o666 & ~umask)
+            give_default_mode(f)
+
+
+def give_default_mode(path: Path) -> None:
+    """The mode any file created here gets (the umask's), for a file written through a private temporary file
+    (mode 0600): the team can read an export."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)

@@ -1,5 +1,6 @@
 """The run report: `report.png` in the run folder, drawn from its metrics.jsonl (rank 0, at every eval and at the
-end of a run): training loss, validation loss against the target, and samples/s per GPU, over training samples.
+end of a run): training loss (and, with FP8 delayed scaling, the scale overflows counted so far), validation loss
+against the target, validation loss by timestep t, and samples/s per GPU, over training samples.
 
 The plotted numbers also travel inside the PNG (text chunk `flux_train.outputs.report`, JSON), so a reader (or a test)
 can check them against metrics.jsonl without the run folder.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
@@ -19,14 +21,20 @@ METRICS_FILE = "metrics.jsonl"
 PNG_KEY = "flux_train.outputs.report"
 
 
-def series(rows: list[dict], global_batch_size: int) -> dict[str, list[list[float]]]:
-    """[training samples, value] pairs per curve; training rows count samples as step x GBS."""
+def series(rows: list[dict], global_batch_size: int) -> dict:
+    """[training samples, value] pairs per curve (by timestep: per t); training rows count samples as step x GBS."""
+    by_t: dict[str, list[list[float]]] = {}
+    for r in rows:
+        for t, loss in r.get("val_loss_by_t", {}).items():
+            by_t.setdefault(t, []).append([r["samples"], loss])
     return {
         "train_loss": [[r["step"] * global_batch_size, r["loss"]] for r in rows if "loss" in r],
         "val_loss": [[r["samples"], r["val_loss"]] for r in rows if "val_loss" in r],
+        "val_loss_by_t": by_t,
         "samples_per_s_per_gpu": [
             [r["step"] * global_batch_size, r["samples_per_s_per_gpu"]] for r in rows if "samples_per_s_per_gpu" in r
         ],
+        "fp8_overflows": [[r["step"] * global_batch_size, r["fp8_overflows"]] for r in rows if "fp8_overflows" in r],
     }
 
 
@@ -47,11 +55,17 @@ def write_report(run_dir: Path, global_batch_size: int, target: float) -> Path:
     run_dir = Path(run_dir)
     rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
     data = series(rows, global_batch_size)
-    fig = Figure(figsize=(9, 10), layout="constrained")
-    train_ax, val_ax, speed_ax = fig.subplots(3, 1, sharex=True)
+    fig = Figure(figsize=(9, 13), layout="constrained")
+    train_ax, val_ax, by_t_ax, speed_ax = fig.subplots(4, 1, sharex=True)
     if data["train_loss"]:
         train_ax.plot(*zip(*data["train_loss"]), color="tab:blue", marker=".")
     train_ax.set(ylabel="training loss", title="training loss (mean over each logging window)")
+    overflows = data["fp8_overflows"]
+    if overflows:  # FP8 delayed scaling: a count that keeps climbing after the first steps saturates values
+        count_ax = train_ax.twinx()
+        count_ax.plot(*zip(*overflows), color="tab:red", linewidth=1)
+        count_ax.set_ylabel("FP8 scale overflows (total)", color="tab:red")
+        train_ax.set_title(f"training loss (mean over each logging window); FP8 overflows: {overflows[-1][1]:,}")
     val = data["val_loss"]
     draw_val_loss(val_ax, {"validation loss": val}, target)
     reached = " (target reached)" if val and val[-1][1] <= target else ""
@@ -60,15 +74,21 @@ def write_report(run_dir: Path, global_batch_size: int, target: float) -> Path:
         if val
         else "validation loss: no eval yet"
     )
+    shade = colormaps["viridis"]
+    for t, points in data["val_loss_by_t"].items():  # t = k/8: the MLPerf eval's timesteps
+        by_t_ax.plot(*zip(*points), color=shade(float(t)), marker=".", label=f"t = {t}")
+    by_t_ax.set(ylabel="validation loss", title="validation loss by timestep t (0: data, 1: noise)")
+    if data["val_loss_by_t"]:
+        by_t_ax.legend(fontsize="small", ncol=4)
     if data["samples_per_s_per_gpu"]:
         speed_ax.plot(*zip(*data["samples_per_s_per_gpu"]), color="tab:green", marker=".")
     speed_ax.set(
         xlabel="training samples", ylabel="samples/s per GPU", title="throughput (mean over each logging window)"
     )
     speed_ax.set_ylim(bottom=0)
-    for ax in (train_ax, speed_ax):
+    for ax in (train_ax, by_t_ax, speed_ax):
         ax.grid(alpha=0.3)
-    for ax in (train_ax, val_ax):  # shared x: the labels go under the bottom panel only
+    for ax in (train_ax, val_ax, by_t_ax):  # shared x: the labels go under the bottom panel only
         ax.set_xlabel("")
         ax.tick_params(labelbottom=False)
     last = rows[-1]["step"] if rows else 0

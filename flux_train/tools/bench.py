@@ -28,6 +28,7 @@ import functools
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -42,13 +43,14 @@ from flux_train.cli import BENCH_ROWS, bench_parser
 from flux_train.config import Config, PerfConfig, graphs_on, load_config
 from flux_train.data.sources import synthetic_samples
 from flux_train.errors import UserError, reports_user_errors, write_output
-from flux_train.kernels.fp8 import FP8Scaling
 from flux_train.model import flow
 from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.model.flux import build_model, flops_per_sample, init_weights, is_token_linear
+from flux_train.precision_recipes import RECIPES, fp8_row
 from flux_train.tools.bench_table import kernel_breakdown, precision_of, print_table, read_rows
 from flux_train.training.distributed import is_out_of_memory
 from flux_train.training.perf import CudaGraph, prepare_model, select_attention_backend, torch_default_attention
+from flux_train.training.precision import DelayedFP8, NoFP8, precision_for
 
 
 def matmul_ceiling(n: int = 8192, iters: int = 20) -> float:
@@ -99,6 +101,12 @@ def timed(step, steps: int, warmup: int = 3) -> tuple[float, float]:
     return (time.perf_counter() - t0) / steps, warm
 
 
+def warmup_steps(args) -> int:
+    """Untimed steps before a step row's timed ones (compile, autotune, the allocator's pools), and profiled ones:
+    three micro-batches' worth, however many micro-batches a step holds."""
+    return -(-3 // args.accum)
+
+
 def free_memory() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -143,10 +151,9 @@ def stock_flux(cfg: Config, device: str):
 def row_perf(cfg: Config, row: str) -> PerfConfig:
     """The perf settings one of our fwdbwd rows runs with: the config's, with the row's FP8 recipe or ablation, and
     CUDA graphs where the trainer would capture its step with that recipe (config.graphs_on)."""
-    perf = cfg.perf
-    if "-fp8-" in row:
-        impl, _, recipe = row.partition("-fp8-")
-        perf = replace(perf, fp8=recipe, fp8_impl=impl)
+    perf, fp8 = cfg.perf, fp8_row(row)
+    if fp8 is not None:
+        perf = replace(perf, fp8_impl=fp8[0], fp8=fp8[1].name)
     return replace(
         perf,
         cuda_graphs=graphs_on(replace(cfg, perf=perf), "cuda") and row != "ours-no-graphs",
@@ -156,14 +163,14 @@ def row_perf(cfg: Config, row: str) -> PerfConfig:
 
 
 def fwdbwd_model(cfg: Config, row: str):
-    """(forward(kw) -> output, module, use CUDA graphs, FP8 delayed scaling or None) for a fwdbwd row: ours as the
-    trainer assembles it (perf.prepare_model), graphed where the trainer's step would be (config.graphs_on)."""
+    """(forward(kw) -> output, module, use CUDA graphs, its precision) for a fwdbwd row: ours as the trainer
+    assembles it (perf.prepare_model), graphed where the trainer's step would be (config.graphs_on)."""
     if row.startswith("stock"):
         # diffusers decorates ModelMixin.to with functools.wraps(nn.Module.to): typeshed's _Wrapped binds no self
         model = stock_flux(cfg, "cuda").to(torch.bfloat16)  # pyright: ignore[reportArgumentType] - wraps, above
         if row == "stock":
             model.compile_repeated_blocks(fullgraph=True)
-        return lambda kw: model(**diffusers_inputs(kw))[0], model, False, None
+        return lambda kw: model(**diffusers_inputs(kw))[0], model, False, NoFP8()
     perf = row_perf(cfg, row)
     model = build_model(cfg.model, perf.rmsnorm)
     model.to_empty(device="cuda")
@@ -172,9 +179,10 @@ def fwdbwd_model(cfg: Config, row: str):
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     model.to(torch.bfloat16)
-    prepare_model(model, perf, cfg.parallel.activation_checkpointing, torch.device("cuda"))
-    scaling = FP8Scaling.of(model, torch.device("cuda"), perf.fp8_margin)
-    return lambda kw: model(**kw), model, perf.cuda_graphs, scaling
+    precision = precision_for(perf, torch.device("cuda"))
+    prepare_model(model, perf, cfg.parallel.activation_checkpointing, precision)
+    precision.attach(model)
+    return lambda kw: model(**kw), model, perf.cuda_graphs, precision
 
 
 def row_attention(cfg: Config, row: str) -> str:
@@ -185,7 +193,7 @@ def row_attention(cfg: Config, row: str) -> str:
 def run_fwdbwd(cfg: Config, args, row: str) -> dict:
     attention = row_attention(cfg, row)
     kw, target = synthetic_inputs(cfg, args.batch, args.text_len, args.latent)
-    forward, module, graphs, scaling = fwdbwd_model(cfg, row)
+    forward, module, graphs, precision = fwdbwd_model(cfg, row)
     params = list(module.parameters())
 
     def step():
@@ -193,8 +201,7 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
             p.grad = None
         loss = flow.mse_loss(forward(kw), target)
         loss.backward()
-        if scaling is not None:  # what a training step adds: the next step's scales
-            scaling.update()
+        precision.after_step()  # what a training step adds: FP8 delayed scaling's next scales
         return loss.detach()
 
     def release():  # the warm-up's gradients: the capture allocates its own
@@ -215,8 +222,9 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
         "warm_s": round(warm, 1),
         "graphs": graphs,
+        "activation_checkpointing": cfg.parallel.activation_checkpointing and not row.startswith("stock"),
     }
-    if result["precision"] != "bf16":
+    if precision.recipe.fp8:
         result["fp8_impl"] = row_perf(cfg, row).fp8_impl
     if args.profile:
         result["profile"], result["top_kernels"] = profile_breakdown(run)
@@ -277,8 +285,8 @@ def run_casts(cfg: Config, args, row: str) -> dict:
     from flux_train.kernels.fp8 import device_e4m3
     from flux_train.kernels.fp8_cast import cast_transpose
 
-    fp8 = device_e4m3(torch.device("cuda"))
-    delayed = row == "ours-fp8-delayed"
+    fp8, found = device_e4m3(torch.device("cuda")), fp8_row(row)
+    delayed = found is not None and found[1].history
     rate = copy_rate()
     shapes = token_gemm_operands(cfg, args.batch, args.text_len, (args.latent // 2) ** 2)
     per_shape, total, floor = [], 0.0, 0.0
@@ -307,6 +315,60 @@ def run_casts(cfg: Config, args, row: str) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------ collectives
+
+
+def layout_messages(cfg: Config) -> list[tuple[str, int, torch.dtype]]:
+    """(what, elements, dtype) of the messages the layouts send within a node: FSDP gathers one block's weights in
+    the compute dtype and reduce-scatters its gradients in the reduction dtype (bf16 or fp32), a double or single
+    block at a time."""
+    model = build_model(cfg.model)
+    sizes = {
+        "double block": sum(p.numel() for p in model.double_blocks[0].parameters()),
+        "single block": sum(p.numel() for p in model.single_blocks[0].parameters()),
+    }
+    return [(f"{what}, {str(dtype).removeprefix('torch.')}", n, dtype) for what, n in sizes.items()
+            for dtype in (torch.bfloat16, torch.float32)]  # fmt: skip
+
+
+def collective_seconds(row: str, n: int, dtype: torch.dtype, world: int) -> float:
+    """Seconds of one `row` collective of n elements (the gathered or the reduced size) over every rank."""
+    full = torch.empty(n, dtype=dtype, device="cuda")
+    shard = torch.empty(n // world, dtype=dtype, device="cuda")
+
+    def op():
+        if row == "all-gather":
+            dist.all_gather_into_tensor(full, shard)
+        else:
+            dist.reduce_scatter_tensor(shard, full)
+
+    for _ in range(3):
+        op()
+    dist.barrier()
+    return timed_events(lambda: [op() for _ in range(10)]) / 10
+
+
+def run_collectives(cfg: Config, args, row: str) -> dict:
+    """Bus bandwidth (NCCL's definition: bytes x (n - 1) / n per second) of `row` over every rank, at each layout
+    message size: the figure the planner divides a layout's traffic by."""
+    world = dist.get_world_size()
+    sizes = []
+    for what, n, dtype in layout_messages(cfg):
+        n -= n % world
+        seconds = collective_seconds(row, n, dtype, world)
+        nbytes = n * dtype.itemsize
+        busbw = nbytes * (world - 1) / world / seconds / 1e9
+        sizes.append([what, round(nbytes / 1e6), round(seconds * 1000, 3), round(busbw, 1)])
+    return {
+        "mode": "collectives",
+        "row": row,
+        "world": world,
+        "batch": 0,
+        "sizes": sizes,
+        "busbw_gbps": round(statistics.fmean(s[3] for s in sizes), 1),
+    }
+
+
 # ------------------------------------------------------------------------------------ training step
 
 
@@ -327,12 +389,14 @@ def run_step(cfg: Config, args, row: str) -> dict:
         seconds, warm, profile, measured = trainer_step(cfg, args)
         base |= {
             "precision": precision_of("ours", cfg),
-            **({"fp8_impl": cfg.perf.fp8_impl} if cfg.perf.fp8 != "none" else {}),
+            **({"fp8_impl": cfg.perf.fp8_impl} if RECIPES[cfg.perf.fp8].fp8 else {}),
             "strategy": cfg.parallel.strategy,
+            "activation_checkpointing": cfg.parallel.activation_checkpointing,
             **measured,
             "label": (
                 f"ours {cfg.parallel.strategy}"
                 + (" + graphs" if measured["graphs"] else "")
+                + (" + checkpointing" if cfg.parallel.activation_checkpointing else "")
                 + (f", accumulation {args.accum}" if args.accum > 1 else "")
             ),
         }
@@ -340,6 +404,9 @@ def run_step(cfg: Config, args, row: str) -> dict:
         "ms": round(seconds * 1000, 1),
         "samples_s_per_gpu": round(mb * args.accum / seconds, 2),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        # the allocator's own peak, and how often it had to free its cache and retry (each a device sync)
+        "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1),
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         "warm_s": round(warm, 1),
     }
     if profile:
@@ -375,17 +442,17 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, dict]:
     trainer = Trainer(load_config(args.config, args.overrides + trainer_overrides(cfg, args)), Sampler.for_run)
     torch.cuda.reset_peak_memory_stats()
     trainer.warm_up(max(trainer.cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
-    startup = settle_fp8(trainer) if trainer.fp8 is not None else None
-    seconds, warm = timed(trainer.train_step, args.steps)
+    startup = settle_fp8(trainer) if isinstance(trainer.precision, DelayedFP8) else None
+    seconds, warm = timed(trainer.train_step, args.steps, warmup_steps(args))
     measured: dict = {"graphs": trainer.graphed is not None}
     if startup is not None:  # what the steps before every history was full took beyond steady steps
         steps, startup_s = startup
         measured["fp8_startup"] = {"steps": steps, "extra_s": round(startup_s - steps * seconds, 2)}
-    profile = profile_breakdown(trainer.train_step) if args.profile else None
+    profile = profile_breakdown(trainer.train_step, warmup_steps(args)) if args.profile else None
     trainer.evaluator.loss(0)  # warm: eval shapes compile once
     torch.cuda.synchronize()
     e0 = time.perf_counter()
-    _, count = trainer.evaluator.loss(0)
+    count = trainer.evaluator.loss(0).count
     eval_rate = count / (time.perf_counter() - e0) / dist.get_world_size()
     if args.checkpoint:
         print("CHECKPOINT " + json.dumps(checkpoint_timings(trainer, args, seconds)), flush=True)
@@ -399,9 +466,10 @@ def settle_fp8(trainer, limit: int = 20) -> tuple[int, float]:
     has a maximum in its history, so that the timed steps are steady ones. Until then an operand is cast by one
     program alone (kernels/fp8_cast.py): a start-up cost of the first steps of a run (and of each gradient the
     zero-initialised gates hold at zero)."""
+    scaling = cast(DelayedFP8, trainer.precision).scaling
     steps, t0 = 0, time.perf_counter()
     # without_history reads the device: the check after the last step waits for it
-    while trainer.fp8.without_history() and steps < limit:
+    while scaling.without_history() and steps < limit:
         trainer.train_step()
         steps += 1
     return steps, time.perf_counter() - t0
@@ -431,27 +499,25 @@ def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
         dist.barrier()
         return result, round(time.perf_counter() - t0, 2)
 
-    root = own_folder(Path(args.checkpoint))
-    state = replace(trainer.state, step=1)
-    loader = trainer.data.train.state_dict()
+    root, parts = own_folder(Path(args.checkpoint)), trainer.parts
     blocking = checkpoint.Checkpointer(root / "sync", keep=1)
-    path, save_s = clock(lambda: blocking.save(state, trainer.layout, loader))
+    path, save_s = clock(lambda: blocking.save(1, parts))
     size_gb = round(sum(f.stat().st_size for f in path.iterdir()) / 1e9, 1)
     report("checkpoint_gb", size_gb)
     report("save_s", save_s)
     report("write_gb_per_s", round(size_gb / max(save_s, 1e-3), 2))
-    _, load_s = clock(lambda: checkpoint.load(path, trainer.layout))
+    _, load_s = clock(lambda: checkpoint.load(path, parts))
     report("load_s", load_s)
     report("read_gb_per_s", round(size_gb / max(load_s, 1e-3), 2))
     shutil_rmtree(root / "sync")
     background = checkpoint.Checkpointer(root / "async", keep=1, async_save=True)
-    _, first_s = clock(lambda: background.save(state, trainer.layout, loader))
+    _, first_s = clock(lambda: background.save(1, parts))
     report("async_blocking_first_s", first_s)  # with the host buffers' allocation (pinned on a GPU host)
     in_flight, _ = timed(trainer.train_step, args.steps, warmup=0)
     report("step_ms_while_writing", round(in_flight * 1000, 1))
     _, async_finish_s = clock(background.wait)
     report("async_wait_after_steps_s", async_finish_s)
-    _, again_s = clock(lambda: background.save(replace(state, step=2), trainer.layout, loader))
+    _, again_s = clock(lambda: background.save(2, parts))
     report("async_blocking_s", again_s)  # every later save: the buffers are reused
     background.close()
     shutil_rmtree(root)
@@ -499,15 +565,16 @@ def stock_fsdp_step(cfg: Config, args) -> tuple[float, float, tuple | None]:
     kw = diffusers_inputs(kw)
 
     def step():
-        loss = flow.mse_loss(model(**kw)[0], target)
-        loss.backward()
+        for _ in range(args.accum):  # FSDP2's default: each micro-batch's gradients reduce-scattered and summed
+            loss = flow.mse_loss(model(**kw)[0], target) / args.accum
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    seconds, warm = timed(step, args.steps)
-    return seconds, warm, profile_breakdown(step) if args.profile else None
+    seconds, warm = timed(step, args.steps, warmup_steps(args))
+    return seconds, warm, profile_breakdown(step, warmup_steps(args)) if args.profile else None
 
 
 # ------------------------------------------------------------------------------------ the table
@@ -527,7 +594,7 @@ def main(argv=None) -> int:
         raise UserError(f"--rows: unknown row '{unknown[0]}' for --mode {args.mode}; choose from {', '.join(known)}")
     if not torch.cuda.is_available():
         raise UserError("python -m flux_train.bench measures GPUs and none is visible here (--table FILE needs none)")
-    if args.mode != "step" and len(rows) > 1 and not args.same_process:  # one GPU: each row in a process of its own
+    if args.mode in ("fwdbwd", "casts") and len(rows) > 1 and not args.same_process:  # each row in its own process
         return run_rows_apart(rows, sys.argv[1:] if argv is None else list(argv))
     return measure(cfg, args, rows)
 
@@ -551,7 +618,7 @@ def run_rows_apart(rows: list[str], argv: list[str]) -> int:
 def measure(cfg: Config, args, rows: list[str]) -> int:
     """The rows in this process (every rank of a step row under torchrun)."""
     torch.backends.cuda.matmul.allow_tf32 = True
-    if args.mode == "step" and not dist.is_initialized():
+    if args.mode in ("step", "collectives") and not dist.is_initialized():
         dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # each rank measures its own GPU
     ceiling = matmul_ceiling()
@@ -562,9 +629,8 @@ def measure(cfg: Config, args, rows: list[str]) -> int:
     for row in rows:
         error = None
         try:
-            result = {"fwdbwd": run_fwdbwd, "step": run_step, "casts": run_casts}[args.mode](
-                load_config(args.config, args.overrides), args, row
-            )
+            run = {"fwdbwd": run_fwdbwd, "step": run_step, "casts": run_casts, "collectives": run_collectives}
+            result = run[args.mode](load_config(args.config, args.overrides), args, row)
         except Exception as exc:  # noqa: BLE001 - every failure of a row becomes its one line
             error = exc
             result = {"mode": args.mode, "row": row, "batch": row_batch(cfg, args), "error": row_error(exc)}
@@ -580,7 +646,7 @@ def measure(cfg: Config, args, rows: list[str]) -> int:
             print("ROW " + json.dumps(result), flush=True)
             if args.json:
                 write_output(Path(args.json), "--json", functools.partial(append_row, row=result))
-        if error is not None and (args.mode == "step" or not usable_after(error)):
+        if error is not None and (dist.is_initialized() or not usable_after(error)):
             # the other ranks wait in a collective (torchrun ends them), or this process's CUDA context is lost
             os._exit(1)
         free_memory()

@@ -10,6 +10,7 @@ from typing import Literal
 
 from flux_train.config import Config
 from flux_train.errors import UserError
+from flux_train.precision_recipes import RECIPES, fp8_row
 
 # first match wins: attention kernels carry cutlass in their names, our AdamW kernel "adamw"; inductor names a
 # kernel after the ops it fused, so its dtype casts (FP8 ones included) say `_to_copy` and count with the copies,
@@ -68,9 +69,10 @@ def fp8_impl_of(row: dict) -> Literal["ours", "torchao"] | None:
 
 
 def precision_of(row: str, cfg: Config) -> str:
-    if "-fp8-" in row:
-        return "fp8 " + row.split("-fp8-")[1]
-    return "bf16" if row.startswith("stock") or cfg.perf.fp8 == "none" else f"fp8 {cfg.perf.fp8}"
+    """The precision column of a bench row: its recipe's label (stock rows: bf16; ours: the config's recipe)."""
+    fp8 = fp8_row(row)
+    recipe = fp8[1] if fp8 else RECIPES["none" if row.startswith("stock") else cfg.perf.fp8]
+    return recipe.label
 
 
 def print_table(rows: list[dict]) -> None:
@@ -111,7 +113,8 @@ def print_table(rows: list[dict]) -> None:
         f"{'vs stock':>8s} {'step eff':>8s} {'eval/s/GPU':>10s}"
     )
     casts = [r for r in rows if r["mode"] == "casts"]
-    rows = [r for r in rows if r["mode"] != "casts"]
+    collectives = [r for r in rows if r["mode"] == "collectives"]
+    rows = [r for r in rows if r["mode"] not in ("casts", "collectives")]
     for r in rows:
         name = r.get("label", r["row"]) + (f" [{r['precision']}]" if "precision" in r else "")
         name += f" {r['attention']}" if r.get("attention") and not r["row"].startswith("stock") else ""
@@ -139,6 +142,10 @@ def print_table(rows: list[dict]) -> None:
         )
         for m, k, count, us, gbps in r["shapes"]:
             print(f"  {m:6d} x {k:6d} x{count:4d}: {us:8.1f} us {gbps:6d} GB/s")
+    for r in collectives:
+        print(f"\n{r['row']} over {r['world']} GPUs: bus bandwidth {r['busbw_gbps']} GB/s (mean of the sizes)")
+        for what, mb, ms, gbps in r["sizes"]:
+            print(f"  {what:26s} {mb:7d} MB {ms:9.3f} ms {gbps:7.1f} GB/s")
     profiled = [r for r in rows if "profile" in r]
     if profiled:
         kinds = list(profiled[0]["profile"])

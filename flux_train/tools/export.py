@@ -1,22 +1,27 @@
 """`python -m flux_train.checkpoint export`: a checkpoint's model as a diffusers `FluxTransformer2DModel` folder,
-written in one process without a GPU or a process group.
+or as one .safetensors file in black-forest-labs' layout (`flux1-schnell.safetensors`, what ComfyUI and Forge read:
+our parameter names are theirs), written in one process without a GPU or a process group, then loaded back as
+diffusers loads it and checked against the checkpoint's model (flux_train.tools.export_check).
 
     python -m flux_train.checkpoint export --config CFG --checkpoint DIR/step_00001234 --out FOLDER
+    python -m flux_train.checkpoint export --format bfl --config CFG --checkpoint DIR --out FILE.safetensors
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dataprep.staging import staging_folder
+from dataprep.staging import staging_file, staging_folder
 from flux_train.cli import checkpoint_parser
-from flux_train.config import ConfigError, load_config
+from flux_train.config import ConfigError, ModelConfig, load_config
 from flux_train.errors import StorageError, UserError, reports_user_errors
 from flux_train.training.checkpoint import (
     PROGRESS,
@@ -72,26 +77,37 @@ def check_new_folder(out: Path, flag: str) -> None:
         raise UserError(f"{flag} {out} exists; give a new folder to write the export into (nothing is overwritten)")
 
 
-def write_export(weights: dict[str, torch.Tensor], mcfg, out: Path, flag: str) -> None:
-    """`weights` as a diffusers folder at `out` (check_new_folder's), written into a staging folder of its own beside
-    it and renamed into place when complete: a folder of the user's is never written into or removed."""
+@contextlib.contextmanager
+def staged(out: Path, flag: str, make: Callable[[Path], Path]) -> Iterator[Path]:
+    """A staging name of its own beside `out` (`make`: dataprep.staging's folder or file), to be written and renamed
+    into place: on any failure it is removed, and a failed write (no such place, a full disk: safetensors raises an
+    error of its own for it) is one line."""
     from safetensors import SafetensorError
 
-    from flux_train.model.diffusers_adapter import save_diffusers
-
-    check_new_folder(out, flag)
     partial = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        partial = staging_folder(out)
-        save_diffusers(weights, mcfg, partial)
-        partial.rename(out)
+        partial = make(out)
+        yield partial
     except BaseException as exc:
-        if partial is not None:
+        if partial is not None and partial.is_dir():
             shutil.rmtree(partial, ignore_errors=True)
-        if isinstance(exc, (OSError, SafetensorError)):  # safetensors' for a failed write (a full disk)
+        elif partial is not None:
+            partial.unlink(missing_ok=True)
+        if isinstance(exc, (OSError, SafetensorError)):
             raise StorageError(f"writing the export {flag} {out} failed ({brief(exc)})") from None
         raise
+
+
+def write_export(weights: dict[str, torch.Tensor], mcfg, out: Path, flag: str) -> None:
+    """`weights` as a diffusers folder at `out` (check_new_folder's), written into a staging folder of its own beside
+    it and renamed into place when complete: a folder of the user's is never written into or removed."""
+    from flux_train.model.diffusers_adapter import save_diffusers
+
+    check_new_folder(out, flag)
+    with staged(out, flag, staging_folder) as partial:
+        save_diffusers(weights, mcfg, partial)
+        partial.rename(out)
 
 
 def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
@@ -103,13 +119,60 @@ def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
     write_export(read_weights(cfg, checkpoint), cfg.model, out, "--out")
 
 
+# FLUX.1's hidden size: the single-file layout's readers take it as given (diffusers' from_single_file and ComfyUI
+# split the fused q/k/v/MLP weights at 3072 and 4 x 3072, whatever the file holds)
+BFL_HIDDEN = 3072
+
+
+def check_single_file_target(mcfg: ModelConfig, out: Path) -> None:
+    """Refuse, before any reading, an export in black-forest-labs' layout that no reader of it could load, or one
+    that would overwrite a file."""
+    hidden = mcfg.num_attention_heads * mcfg.attention_head_dim
+    if hidden != BFL_HIDDEN:
+        raise UserError(
+            f"--format bfl: its readers (ComfyUI, diffusers' from_single_file) assume FLUX.1's hidden size "
+            f"{BFL_HIDDEN}; model flavor '{mcfg.flavor}' has {hidden}: export it as a diffusers folder (--format "
+            "diffusers)"
+        )
+    if out.suffix != ".safetensors":
+        raise UserError(f"--out {out}: --format bfl writes one .safetensors file; give a path ending in .safetensors")
+    if out.exists() or out.is_symlink():
+        raise UserError(f"--out {out} exists; give a new file to write the export into (nothing is overwritten)")
+
+
+def export_single_file(cfg, checkpoint: Path, out: Path) -> None:
+    """Offline export of a DCP checkpoint's weights as one .safetensors file under our (black-forest-labs')
+    parameter names, in the dtype the checkpoint holds; written beside `out` under a name of its own and renamed into
+    place when complete."""
+    from safetensors.torch import save_file
+
+    weights = read_weights(cfg, checkpoint)
+    with staged(out, "--out", staging_file) as partial:
+        save_file(weights, str(partial))
+        partial.rename(out)
+
+
 @reports_user_errors
 def main(argv=None) -> int:
+    from flux_train.model.diffusers_adapter import quiet_diffusers
+    from flux_train.tools.export_check import LOADERS, check_export
+
     args = checkpoint_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    out = Path(args.out)
+    if args.format == "bfl":
+        check_single_file_target(cfg.model, out)
     path = find_checkpoint(Path(args.checkpoint))
-    export_checkpoint(cfg, path, Path(args.out))
-    print(f"exported {path} -> {args.out} (load with FluxTransformer2DModel.from_pretrained)")
+    quiet_diffusers()  # before the reads: DCP's note on reading in one process
+    if args.format == "bfl":
+        export_single_file(cfg, path, out)
+    else:
+        export_checkpoint(cfg, path, out)
+    difference = check_export(cfg.model, read_weights(cfg, path), out, args.format)
+    print(
+        f"exported {path} -> {out} (loaded back with {LOADERS[args.format]}; its forward pass differs from the "
+        f"checkpoint's model by {difference:.1g}, relative)"
+    )
     return 0
 
 

@@ -15,13 +15,19 @@ Per GPU, with P parameters, S GPUs sharing the optimizer state (a node) and R re
 - memory: ddp holds the weights and a gradient buffer in the compute dtype and 12 P / S bytes of fp32 master
   weights and AdamW moments (flux_train/training/ddp.py); fsdp holds 12 P / S, the fp32 gradient shards between
   micro-batches when accumulating, and two blocks' gathered weights (flux_train/training/fsdp.py). Our FP8
-  (perf.fp8 delayed or tensorwise) keeps one byte per FP8 parameter from forward to backward (the transposed e4m3
-  weights). Activations: micro-batch x blocks x the figure per sample and block of one-GPU forward+backward rows
-  (their peak less the weights and FP8 weights; rows whose peak is the weights and their gradients are left out).
-- step: compute (samples x FLOPs per sample at the forward+backward FLOP rate measured nearest that batch) +
-  optimizer (ms per 1e9 parameters of the shard) + the exposed part of the traffic within the node (bytes per
-  step by layout over the bus bandwidth, times the fraction left exposed in the step rows of this kind) + the
-  all-reduce across nodes (exposed: it runs after backward).
+  (perf.fp8 delayed or tensorwise) under ddp keeps one byte per FP8 parameter from forward to backward (the
+  transposed e4m3 weights; with activation checkpointing a block's at a time); under fsdp none (the backward casts
+  the weights it gathers again). Activations: micro-batch x blocks x the figure per sample and block of one-GPU
+  forward+backward rows (their peak less the weights and e4m3 copies; rows whose peak is the weights and their
+  gradients are left out). With activation checkpointing (parallel.activation_checkpointing) each block keeps
+  only its input between forward and backward (text + image tokens x hidden width in the compute dtype: 3.0 MiB
+  per sample for flux-schnell), and one block at a time holds its activations (the figure per sample and block)
+  while it is recomputed and its backward runs.
+- step: compute (samples x FLOPs per sample at the forward+backward FLOP rate measured nearest that batch; with
+  activation checkpointing x 4/3: every block's forward again, a third of forward + backward as flops_per_sample
+  counts them) + optimizer (ms per 1e9 parameters of the shard) + the exposed part of the traffic within the node
+  (bytes per step by layout over the bus bandwidth, times the fraction left exposed in the step rows of this kind,
+  layout and, where there are any, precision) + the all-reduce across nodes (exposed: it runs after backward).
 - time-to-train: the RCP's samples to converge for the GBS as steps, an eval every ceil(262144 / GBS) steps at
   the measured eval rate, and the checkpoint stalls. The warm-up before run_start is off the clock.
 """
@@ -33,6 +39,7 @@ import json
 import math
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -52,6 +59,7 @@ from flux_train.config import (
 from flux_train.errors import UserError, output_file, reports_user_errors, write_output
 from flux_train.model.flux import flops_per_sample, param_count, token_linear_param_count
 from flux_train.outputs.mllog import BENCHMARK, RULESET, USAGE, rcp_samples
+from flux_train.precision_recipes import RECIPES, labelled
 from flux_train.private_apis import rcp_batch_sizes
 from flux_train.tools.bench_table import fp8_impl_of, precision_of, read_rows
 from flux_train.training.checkpoint_size import checkpoint_bytes, checkpoint_disk_gb
@@ -135,19 +143,24 @@ class Figures:
 
 
 def step_setup(row: dict) -> tuple | None:
-    """What a step row measured, as one key: depth, GPUs, micro-batch, accumulation, layout, precision, whose FP8,
-    graphs (None: not recorded)."""
+    """What a step row measured, as one key: depth, GPUs, micro-batch, accumulation, layout, activation
+    checkpointing, precision, whose FP8, graphs (None: not recorded)."""
     if row["mode"] != "step":
         return None
     return (
-        tuple(row["blocks"]), row["world"], row["batch"], row["accum"], row["strategy"], row["precision"],
-        fp8_impl_of(row), row.get("graphs"),
+        tuple(row["blocks"]), row["world"], row["batch"], row["accum"], row["strategy"], checkpointed(row),
+        row["precision"], fp8_impl_of(row), row.get("graphs"),
     )  # fmt: skip
+
+
+def checkpointed(row: dict) -> bool:
+    """Whether a bench row's blocks were checkpointed (rows from before the bench recorded it were not)."""
+    return row.get("activation_checkpointing", False)
 
 
 def row_config(cfg: Config, row: dict) -> Config:
     """The config a bench row measured: the planned model's width at the row's depth, one node of its GPUs, its
-    micro-batch, accumulation, layout and precision."""
+    micro-batch, accumulation, layout, activation checkpointing and precision."""
     c = copy.deepcopy(cfg)
     c.model.num_layers, c.model.num_single_layers = row["blocks"]
     c.train.compute_dtype = "bfloat16"
@@ -155,8 +168,8 @@ def row_config(cfg: Config, row: dict) -> Config:
     c.train.global_batch_size = row["batch"] * row.get("world", 1) * row.get("accum", 1)
     c.parallel.strategy = row.get("strategy", c.parallel.strategy)
     c.parallel.dp_shard = c.parallel.dp_replicate = -1
-    c.perf.fp8 = row["precision"].removeprefix("fp8 ") if row["precision"] != "bf16" else "none"
-    c.perf.fp8_impl = fp8_impl_of(row) or c.perf.fp8_impl
+    c.parallel.activation_checkpointing = checkpointed(row)
+    c.perf = replace(c.perf, fp8=labelled(row["precision"]).name, fp8_impl=fp8_impl_of(row) or c.perf.fp8_impl)
     c.slurm.nodes, c.slurm.gpus_per_node = 1, row.get("world", 1)
     return c
 
@@ -212,17 +225,56 @@ def same_precision(cfg: Config):
     return lambda r: r["precision"] == precision and fp8_impl_of(r) in (None, cfg.perf.fp8_impl)
 
 
-def fp8_weight_bytes(cfg: Config) -> int:
-    """What our tensorwise FP8 recipes hold for the whole step whatever the batch: every FP8 Linear's transposed
-    e4m3 weight, kept for the backward (one byte per parameter). Measured on two H200, full model, micro-batch 4:
-    fitted per sample instead, the FP8 peak came out 3.8 % low."""
-    if cfg.perf.fp8 in ("delayed", "tensorwise") and cfg.perf.fp8_impl == "ours":
+def block_count(cfg: Config) -> int:
+    return cfg.model.num_layers + cfg.model.num_single_layers
+
+
+def fp8_weight_copies(cfg: Config) -> int:
+    """Bytes of every FP8 Linear's transposed e4m3 weight (one byte per parameter): what our tensorwise FP8 recipes
+    save for the backward, whatever the batch, unless the backward casts the weight again (FP8Linear.recast_weight).
+    A one-GPU forward+backward row holds them all."""
+    if cfg.perf.fp8_impl in RECIPES[cfg.perf.fp8].e4m3_weights:
         return token_linear_param_count(cfg.model)
     return 0
 
 
+def fp8_weight_bytes(cfg: Config) -> float:
+    """The e4m3 weights our FP8 holds from the forward to the backward, beside the activations. ddp: all of them
+    (measured on two H200, full model, micro-batch 4: fitted per sample instead, the FP8 peak came out 3.8 % low);
+    with activation checkpointing a block's at a time (the checkpoint drops them with the block's other saved
+    tensors, its recompute casts them again). fsdp: none, its backward casts the weights it gathers again (measured
+    on four H100, full model, micro-batch 8: counted, the FP8 peak came out 13 % high)."""
+    if cfg.parallel.strategy == "fsdp":
+        return 0
+    return fp8_weight_copies(cfg) / (block_count(cfg) if cfg.parallel.activation_checkpointing else 1)
+
+
+def block_input(cfg: Config) -> tuple[float, str]:
+    """(GiB per sample, what it is) a checkpointed block keeps from its forward to its backward: its input, the
+    hidden states of the text and image tokens in the compute dtype (the conditioning vector and RoPE tables are
+    every block's)."""
+    hidden = cfg.model.num_attention_heads * cfg.model.attention_head_dim
+    width = getattr(torch, cfg.train.compute_dtype).itemsize
+    gib = 2 * TOKENS * hidden * width / GIB
+    return gib, (
+        f"activation checkpointing: each block keeps its input, {gib * 1024:.1f} MiB per sample ({2 * TOKENS} "
+        f"tokens x {hidden} x {width} bytes), and one block its activations at a time"
+    )
+
+
+def activations_gib(cfg: Config, per_block: float, notes: Notes) -> float:
+    """Activations per GPU from the GiB per sample and block a forward+backward keeps: every block's; with
+    activation checkpointing (flux_train.training.perf.checkpoint_blocks) every block's input, and one block's
+    activations while it is recomputed and its backward runs."""
+    blocks, batch = block_count(cfg), cfg.train.micro_batch_size
+    if not cfg.parallel.activation_checkpointing:
+        return batch * blocks * per_block
+    kept = notes.use("AC memory", block_input(cfg), "", False) or 0.0
+    return batch * (blocks * kept + per_block)
+
+
 def activation_figure(cfg: Config, figs: Figures) -> tuple[float, str] | None:
-    """GiB per sample and block: one-GPU forward+backward rows' peak less their bf16 weights (and FP8 weights)."""
+    """GiB per sample and block: one-GPU forward+backward rows' peak less their bf16 weights (and e4m3 copies)."""
     precision, same = precision_of("ours", cfg), same_precision(cfg)
 
     def activation_bound(r: dict) -> bool:
@@ -236,7 +288,7 @@ def activation_figure(cfg: Config, figs: Figures) -> tuple[float, str] | None:
     per = []
     for r in rows:
         rcfg = row_config(cfg, r)
-        fixed = 2 * param_count(rcfg.model) + fp8_weight_bytes(rcfg)
+        fixed = 2 * param_count(rcfg.model) + fp8_weight_copies(rcfg)
         per.append((r["peak_gib"] - fixed / GIB) / (r["batch"] * sum(r["blocks"])))
     mean = statistics.fmean(per)
     return mean, f"{mean:.4f} GiB per sample and block, {len(per)} {precision} fwdbwd row(s) ({where})"
@@ -246,7 +298,7 @@ def memory(cfg: Config, figs: Figures, notes: Notes) -> dict:
     """Peak memory per GPU by layout, and whether it fits with the headroom kept free."""
     world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
     shards = mesh_shape(cfg.parallel, world, cfg.slurm.gpus_per_node)[1]
-    params, blocks = param_count(cfg.model), cfg.model.num_layers + cfg.model.num_single_layers
+    params, blocks = param_count(cfg.model), block_count(cfg)
     width = getattr(torch, cfg.train.compute_dtype).itemsize
     if cfg.parallel.strategy == "ddp":  # replicated weights and gradient buffer; fp32 master and moments sharded
         state = 2 * width * params + 12 * params / shards
@@ -257,7 +309,7 @@ def memory(cfg: Config, figs: Figures, notes: Notes) -> dict:
     per_block = notes.use("activations", activation_figure(cfg, figs), "no forward+backward row with a peak", False)
     out = {"state_gib": state / GIB, "activations_gib": None, "peak_gib": state / GIB, "capacity_gib": None}
     if per_block is not None:
-        out["activations_gib"] = cfg.train.micro_batch_size * blocks * per_block
+        out["activations_gib"] = activations_gib(cfg, per_block, notes)
         out["peak_gib"] += out["activations_gib"]
     capacity = notes.use("memory", figs.figure("memory_gib"), f"no figure for {figs.kind}", False)
     headroom = notes.use("headroom", figs.figure("headroom_gib"), "none measured: nothing kept free", False) or 0.0
@@ -276,6 +328,15 @@ def traffic(cfg: Config, params: int, shards: int, replicas: int, accum: int) ->
     reduced = reduce_dtype(cfg.parallel, getattr(torch, cfg.train.compute_dtype)).itemsize
     gathers = 2 if cfg.parallel.reshard_after_forward else 1  # for forward, and again for backward
     return accum * ring * (gathers * width + reduced) * params, across * reduced * params / shards
+
+
+def recompute_share(cfg: Config, notes: Notes) -> float:
+    """What activation checkpointing adds to a step's FLOPs: every block's forward again, a third of forward +
+    backward (flops_per_sample counts the backward as twice the forward: its dX and dW GEMMs)."""
+    if not cfg.parallel.activation_checkpointing:
+        return 0.0
+    text = "activation checkpointing: every block's forward again, +1/3 of the forward+backward FLOPs"
+    return notes.use("AC recompute", (1 / 3, text), "", False) or 0.0
 
 
 def step_parts(cfg: Config, figs: Figures, notes: Notes) -> dict:
@@ -303,8 +364,9 @@ def step_parts(cfg: Config, figs: Figures, notes: Notes) -> dict:
     if per_billion is None and copy_rate is not None:  # the kernel's bytes at the copy rate: a floor
         per_billion = OPTIMIZER_BYTES / copy_rate[0], f"{OPTIMIZER_BYTES} B per parameter at {copy_rate[1]} (a floor)"
     ms = notes.use("optimizer", per_billion, f"no optimizer time or copy rate for {figs.kind}")
+    flops = flops_per_sample(cfg.model, TOKENS, TOKENS) * (1 + recompute_share(cfg, notes))
     out = {
-        "compute_s": accum * batch * flops_per_sample(cfg.model, TOKENS, TOKENS) / rate if rate else None,
+        "compute_s": accum * batch * flops / rate if rate else None,
         "buffer_s": 0.0,
         "optimizer_s": ms * params / shards / 1e12 if ms is not None else None,
     }
@@ -318,8 +380,18 @@ def step_parts(cfg: Config, figs: Figures, notes: Notes) -> dict:
 
 def exposed_fraction(cfg: Config, figs: Figures, bandwidth: float) -> tuple[float, str] | None:
     """The share of the within-node traffic the step rows of this layout leave exposed: (step - compute - buffer -
-    optimizer) / traffic time, averaged over the rows with more than one GPU."""
-    rows, where = figs.rows("step", lambda r: r["strategy"] == cfg.parallel.strategy and r["world"] > 1)
+    optimizer) / traffic time, averaged over the rows with more than one GPU, those of this precision where there
+    are any: what hides it is the compute beside it, which the precision changes (on four H100 under fsdp, FP8
+    left all of it exposed, bf16 0.7-0.8)."""
+
+    def layout(r: dict) -> bool:
+        return r["strategy"] == cfg.parallel.strategy and r["world"] > 1
+
+    same = same_precision(cfg)
+    rows, where = figs.rows("step", lambda r: layout(r) and same(r))
+    which = f" in {precision_of('ours', cfg)}"
+    if not rows:
+        which, (rows, where) = "", figs.rows("step", layout)
     fractions = []
     for r in rows:
         parts = step_parts(row_config(cfg, r), figs, Notes())
@@ -331,7 +403,7 @@ def exposed_fraction(cfg: Config, figs: Figures, bandwidth: float) -> tuple[floa
     if not fractions:
         return None
     mean = statistics.fmean(fractions)
-    return mean, f"{mean:.2f} of it exposed, {len(fractions)} {cfg.parallel.strategy} step row(s) ({where})"
+    return mean, f"{mean:.2f} of it exposed, {len(fractions)} {cfg.parallel.strategy} step row(s){which} ({where})"
 
 
 def project(cfg: Config, figs: Figures, rcp: dict | None) -> dict:
@@ -344,7 +416,8 @@ def project(cfg: Config, figs: Figures, rcp: dict | None) -> dict:
         "nodes": nodes,
         "gpus": world,
         "layout": f"{cfg.parallel.strategy} {precision_of('ours', cfg)}"
-        + (" (torchao)" if cfg.perf.fp8 != "none" and cfg.perf.fp8_impl == "torchao" else ""),
+        + (" (torchao)" if cfg.perf.fp8 != "none" and cfg.perf.fp8_impl == "torchao" else "")
+        + (" + AC" if cfg.parallel.activation_checkpointing else ""),
         "micro_batch": mb,
         "accumulation": accum,
         "params": param_count(cfg.model),
@@ -378,6 +451,7 @@ def project(cfg: Config, figs: Figures, rcp: dict | None) -> dict:
         busy = [parts["compute_s"], parts["buffer_s"], parts["optimizer_s"]]
         step = sum(x or 0.0 for x in busy) + parts["exposed_s"] if parts["compute_s"] is not None else None
     out |= {"step": parts, "step_s": step, "samples_s_per_gpu": gbs / world / step if step else None}
+    out["step_lower_bound"] = notes.lower_bound  # the eval and checkpoint inputs after this bound time-to-train only
     ceiling = figs.figure("matmul_tflops")
     if step and ceiling:
         out["mfu"] = gbs / world / step * flops_per_sample(cfg.model, TOKENS, TOKENS) / (ceiling[0] * 1e12)
@@ -516,12 +590,12 @@ def submit_line(cfg: Config) -> str:
     mem = p["memory"]
     if mem.get("fits") is False:
         raise PlanError(refusal(cfg, figs, mem))
-    bound = ">= " if p["lower_bound"] else ""
+    bound, step_bound = (">= " if p[key] else "" for key in ("lower_bound", "step_lower_bound"))
     fits = (
         f"fits, {mem['peak_gib']:.1f} of {mem['capacity_gib']:g} GiB" if "fits" in mem else f"{mem['peak_gib']:.1f} GiB"
     )
     step = (
-        f"step {bound}{p['step_s']:.2f} s ({p['samples_s_per_gpu']:.1f} samples/s/GPU)"
+        f"step {step_bound}{p['step_s']:.2f} s ({p['samples_s_per_gpu']:.1f} samples/s/GPU)"
         if p["step_s"]
         else f"step: no measured rates for {kind}"
     )
@@ -561,6 +635,7 @@ def check(cfg: Config, figs: Figures) -> list[dict]:
                 "rows": len(same),
                 "measured_samples_s_per_gpu": statistics.fmean(r["samples_s_per_gpu"] for r in same),
                 "projected_samples_s_per_gpu": p["samples_s_per_gpu"],
+                "step_lower_bound": p["step_lower_bound"],
                 "measured_peak_gib": max(peaks) if peaks else None,
                 "projected_peak_gib": p["memory"]["peak_gib"],
                 "missing": p["missing"],
@@ -573,13 +648,13 @@ def print_check(results: list[dict]) -> None:
     def err(projected, measured):
         return f"{100 * (projected / measured - 1):+.1f} %" if projected and measured else "-"
 
-    print(f"{'blocks':>7s} {'GPUs':>4s} {'micro x acc':>11s} {'layout':25s} {'samples/s/GPU':>24s} {'peak GiB':>24s}")
-    print(f"{'':7s} {'':4s} {'':11s} {'':25s} {'measured projected err':>24s} {'measured projected err':>24s}")
+    print(f"{'blocks':>7s} {'GPUs':>4s} {'micro x acc':>11s} {'layout':28s} {'samples/s/GPU':>24s} {'peak GiB':>24s}")
+    print(f"{'':7s} {'':4s} {'':11s} {'':28s} {'measured projected err':>24s} {'measured projected err':>24s}")
     for r in results:
         measured_peak = f"{r['measured_peak_gib']:.1f}" if r["measured_peak_gib"] else "-"
         print(
             f"{'+'.join(map(str, r['blocks'])):>7s} {r['gpus']:4d} {r['micro_batch']:>6d} x {r['accumulation']:<2d} "
-            f"{r['layout']:25s} {r['measured_samples_s_per_gpu']:8.2f} {r['projected_samples_s_per_gpu'] or 0:9.2f} "
+            f"{r['layout']:28s} {r['measured_samples_s_per_gpu']:8.2f} {r['projected_samples_s_per_gpu'] or 0:9.2f} "
             f"{err(r['projected_samples_s_per_gpu'], r['measured_samples_s_per_gpu']):>7s} {measured_peak:>8s} "
             f"{r['projected_peak_gib']:9.1f} {err(r['projected_peak_gib'], r['measured_peak_gib']):>7s}"
         )
@@ -614,7 +689,7 @@ def _cells(p: dict) -> list[str]:
         num(compute, ".3f"),
         num(s.get("optimizer_s"), ".3f"),
         num(s.get("exposed_s"), ".3f"),
-        bound + num(p["step_s"], ".3f"),
+        (">=" if p["step_lower_bound"] else "") + num(p["step_s"], ".3f"),
         num(p["samples_s_per_gpu"], ".2f"),
         num(p.get("mfu"), ".1f", 100),
         num(t.get("eval_share"), ".1f", 100),

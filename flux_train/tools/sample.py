@@ -86,9 +86,29 @@ def image_grid(images: list[Image.Image], columns: int) -> Image.Image:
     return grid
 
 
+def on_device_while_running(block: torch.nn.Module, device: torch.device) -> None:
+    """`block`'s weights stay where they are (the CPU) and go to `device` only for its forward: a grid drawn beside
+    a training run holds one block's weights on the GPU, not the model's (flux-schnell: 24 GB in bf16), for a copy
+    of the model's weights to the GPU per denoising step."""
+    params = list(block.parameters())
+    kept = [p.data for p in params]
+
+    def onload(module, args):
+        for p in params:
+            p.data = p.data.to(device)
+
+    def offload(module, args, output):
+        for p, data in zip(params, kept):
+            p.data = data
+
+    block.register_forward_pre_hook(onload)
+    block.register_forward_hook(offload)
+
+
 class Sampler:
-    """The pipeline's frozen parts, made once: the VAE and the prompts' encodings (the text encoders are freed after
-    encoding). Each `grid` call puts a model's weights into a fresh diffusers transformer and samples every prompt."""
+    """The pipeline's frozen parts, made once: the VAE and the prompts' encodings (the text encoders run once and
+    are freed). Each `grid` call puts a model's weights into a fresh diffusers transformer, its blocks on the CPU,
+    each on the device only while it runs, and samples every prompt."""
 
     def __init__(
         self,
@@ -143,8 +163,14 @@ class Sampler:
 
         with torch.device("meta"):
             transformer = FluxTransformer2DModel(**diffusers_config(self.model))
-        weights = {k: v.to(self.device, self.dtype) for k, v in to_diffusers(state, self.model).items()}
+        in_blocks = ("transformer_blocks.", "single_transformer_blocks.")
+        weights = {  # the blocks' on the CPU, the rest (embedders, final layer: 0.5 % of the model) on the device
+            k: v.to("cpu" if k.startswith(in_blocks) else self.device, self.dtype)
+            for k, v in to_diffusers(state, self.model).items()
+        }
         transformer.load_state_dict(weights, assign=True, strict=True)
+        for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+            on_device_while_running(block, self.device)
         # no text encoders or tokenizers: the prompts come encoded (prompt_embeds); diffusers' types want them all
         no_text = cast(Any, None)
         scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)

@@ -1,10 +1,15 @@
-"""Checkpoints: DCP save/resume of model, optimizer and progress, per-rank loader state, atomic, last K kept;
-the model's weights read back in one process (flux_train.tools.export writes them as a diffusers folder).
+"""Checkpoints: save/resume of a run's named stateful parts (torch's `Stateful`: state_dict/load_state_dict), atomic,
+last K kept; the model's weights read back in one process (flux_train.tools.export writes them as a diffusers folder).
 
-Layout: <dir>/step_00001234/ holds the DCP shards of {"model", "optim"}, `loader_rank<r>.pt` per rank and
-`progress.pt` (flux_train.training.train_state: step, eval count, and the settings a resume must share: world size,
-strategy, global batch size, data source and loader workers). A save goes to `step_XXXX.tmp/` (made there and marked
-with STAGING_MARK: only such leftovers are removed) and is renamed once every rank has finished,
+The parts (Trainer.parts): `progress` (flux_train.training.train_state: step, eval count, and the settings a resume
+must share: world size, strategy, global batch size, data source and loader workers), `layout` (the model and
+optimizer, sharded over the ranks), and any other, which each rank holds its own of: `loader` (its position in the
+data), `precision` (flux_train.training.precision: FP8 delayed scaling's amax histories). On disk,
+<dir>/step_00001234/ holds the DCP shards of the layout's {"model", "optim"}, `<part>_rank<r>.pt` per other part
+and rank, and `progress.pt`, which names those parts and is written last. A checkpoint written before the parts
+had names holds the loader's files and, with FP8 delayed scaling, the precision's state in progress.pt (key `fp8`):
+both are loaded as they are. A save goes to `step_XXXX.tmp/` (made there and marked with STAGING_MARK: only such
+leftovers are removed) and is renamed once every rank has finished,
 so a crash mid-save leaves the previous checkpoint the latest valid one; a save that fails (a full disk) fails
 on every rank alike. No RNG state is needed: every random stream is seeded from (seed, step, micro-batch)
 (flow.seeded_generator).
@@ -32,15 +37,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
 
 from flux_train.config import ConfigError, ModelConfig, checkpoint_dir
-from flux_train.errors import StorageError, UserError, raise_on_every_rank
+from flux_train.errors import StateMisfit, StorageError, UserError, raise_on_every_rank
 from flux_train.training.train_state import TrainState
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 PROGRESS = "progress.pt"
 # written first into every step_XXXXXXXX.tmp/ a save makes: what marks a leftover as one of ours, to be removed
 STAGING_MARK = ".flux-train-staging"
+# the parts a checkpoint holds by name: `progress` in progress.pt, `layout` in DCP shards, any other per rank
+OWN = ("progress", "layout")
+EARLIER_PARTS = ["loader"]  # the per-rank parts of a checkpoint whose progress.pt names none
+
+
+def rank_file(part: str, rank: int) -> str:
+    return f"{part}_rank{rank}.pt"
 
 
 class CheckpointError(UserError):
@@ -118,21 +131,27 @@ def failure_text(exc: CheckpointException) -> str:
 
 def read_progress(path: Path) -> TrainState:
     """A checkpoint's progress.pt; ValueError saying why when it is missing, empty or garbled."""
+    return TrainState.from_progress(_progress(path))
+
+
+def _progress(path: Path) -> dict:
+    """progress.pt's contents, checked to be a progress (read_progress's ValueError)."""
     try:
         progress = torch.load(path / PROGRESS, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch.load fails on a cut or garbled file in many ways
         raise ValueError(f"{PROGRESS} is unreadable ({brief(exc)})") from None
     try:
-        return TrainState.from_progress(progress)
+        TrainState.from_progress(progress)
     except ValueError as exc:
         raise ValueError(f"{PROGRESS} {exc}") from None
+    return progress
 
 
 def unreadable(path: Path) -> str | None:
     """Why the checkpoint at `path` cannot be resumed from (None: every file it needs is there, whole): what a
     crash, a full disk or a copy cut short leaves. Shard contents are not read, only their sizes."""
     try:
-        progress = read_progress(path)
+        progress = _progress(path)
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except ValueError as exc:
         return str(exc)
@@ -145,11 +164,12 @@ def unreadable(path: Path) -> str | None:
         have = (path / name).stat().st_size if (path / name).is_file() else None
         if have is None or have < size:
             return f"{name} is {'missing' if have is None else f'cut short ({have} of {size} bytes)'}"
-    for rank in range(progress.world_size):
-        try:
-            torch.load(path / f"loader_rank{rank}.pt", weights_only=True)
-        except Exception as exc:  # noqa: BLE001
-            return f"the loader state of rank {rank} is missing or unreadable ({brief(exc)})"
+    for part in progress.get("parts", EARLIER_PARTS):
+        for rank in range(progress["world_size"]):
+            try:
+                torch.load(path / rank_file(part, rank), weights_only=True)
+            except Exception as exc:  # noqa: BLE001
+                return f"the {part} state of rank {rank} is missing or unreadable ({brief(exc)})"
     return None
 
 
@@ -275,7 +295,8 @@ def _free_bytes(folder: Path) -> int:
 
 
 class Checkpointer:
-    """Collective saves of a training layout (layout.Layout: fsdp.FSDPTraining or ddp.DDP) under `root`, last `keep` kept."""
+    """Collective saves of a run's parts (the module docstring; the layout: layout.Layout, fsdp.FSDPTraining or
+    ddp.DDP) under `root`, last `keep` kept."""
 
     def __init__(self, root: Path, keep: int, async_save: bool = False, every_steps: int = 0):
         self.root, self.keep, self.async_save, self.every_steps = root, keep, async_save, every_steps
@@ -293,11 +314,15 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
-    def save(self, state: TrainState, training, loader_state: dict) -> Path:
-        """Write a checkpoint of the current state; returns its final folder (complete on return unless async)."""
+    def save(self, step: int, parts: dict[str, Stateful]) -> Path:
+        """Write a checkpoint of `parts` as they are at `step`; returns its final folder (complete on return unless
+        async)."""
         self.wait()
-        rank, progress = dist.get_rank(), state.to_progress()  # as of now: training goes on during an async save
-        final = step_folder(self.root, state.step)
+        rank = dist.get_rank()
+        # as of now: training goes on during an async save
+        own = {name: part.state_dict() for name, part in parts.items() if name not in OWN}
+        progress = parts["progress"].state_dict() | {"parts": sorted(own)}
+        final = step_folder(self.root, step)
         tmp = staging_of(final)
 
         def start() -> None:
@@ -306,15 +331,20 @@ class Checkpointer:
                 tmp.mkdir(parents=True)  # made here, not one that is there
                 (tmp / STAGING_MARK).write_text(f"a save of {final.name} in progress, or cut\n")
 
+        def write_own() -> None:
+            for name, state in own.items():
+                _write(state, tmp / rank_file(name, rank))
+
         _on_every_rank(final, start)  # a collective: the folder exists for every rank after it
-        _on_every_rank(final, lambda: _write(loader_state, tmp / f"loader_rank{rank}.pt"))
+        _on_every_rank(final, write_own)
+        layout = parts["layout"]
         if self.async_save:
             future = dcp.async_save(
-                training.state_dict(), checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager
+                layout.state_dict(), checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager
             )
             self.pending = (future, tmp, final, progress)
         else:
-            _on_every_rank(final, lambda: dcp.save(training.state_dict(), checkpoint_id=str(tmp)))
+            _on_every_rank(final, lambda: dcp.save(layout.state_dict(), checkpoint_id=str(tmp)))
             self._complete(tmp, final, progress)
         return final
 
@@ -347,20 +377,48 @@ class Checkpointer:
         _on_every_rank(final, publish, self.group)  # also the barrier after which the checkpoint is complete
 
 
-def load(path: Path, training) -> tuple[TrainState, dict]:
-    """Collective: restores weights and optimizer in place; returns (its TrainState, this rank's loader state). The
-    checkpoint was checked before (resolve_resume); what fails here is garbled inside a shard."""
-    progress = read_progress(path)
-    state = training.state_dict()
+def load(path: Path, parts: dict[str, Stateful]) -> None:
+    """Collective: every part restored in place from the checkpoint at `path`. A part the checkpoint does not hold,
+    or whose saved state it cannot take (errors.StateMisfit: another FP8 recipe's, say), keeps its own; the second is
+    named in a warning. The checkpoint was checked before (resolve_resume); what fails here is garbled inside a
+    shard."""
+    rank, progress = dist.get_rank(), _progress(path)
+    layout, state = parts["layout"], parts["layout"].state_dict()
     fix = f"move it out of {path.parent}: checkpoint.resume=auto then takes the one before"
     try:
         dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as exc:  # raised on every rank alike
         error = CheckpointError(f"checkpoint {path} could not be read ({failure_text(exc)}); {fix}")
-        raise_on_every_rank(error, dist.get_rank() == 0)
-    training.load_state_dict(state)
-    try:
-        loader = torch.load(path / f"loader_rank{dist.get_rank()}.pt", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a cut or garbled file fails in many ways
-        raise CheckpointError(f"checkpoint {path}: the loader state could not be read ({brief(exc)}); {fix}") from None
-    return progress, loader
+        raise_on_every_rank(error, rank == 0)
+    layout.load_state_dict(state)
+    parts["progress"].load_state_dict(progress)
+    for name, part in parts.items():
+        if name in OWN:
+            continue
+        try:
+            saved = _saved(path, progress, name, rank)
+        except Exception as exc:  # noqa: BLE001 - a cut or garbled file fails in many ways
+            raise CheckpointError(
+                f"checkpoint {path}: the {name} state could not be read ({brief(exc)}); {fix}"
+            ) from None
+        if saved is None:
+            continue
+        try:
+            part.load_state_dict(saved)
+        except StateMisfit as exc:
+            if rank == 0:
+                print(
+                    f"flux-train: warning: checkpoint {path}: its {name} state does not fit this run ({exc}); this "
+                    f"run's {name} starts afresh",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+
+def _saved(path: Path, progress: dict, part: str, rank: int) -> dict | None:
+    """This rank's saved state of a per-rank `part`, or None where the checkpoint holds none."""
+    if part in progress.get("parts", EARLIER_PARTS):
+        return torch.load(path / rank_file(part, rank), weights_only=True)
+    if part == "precision":  # a checkpoint written before the parts had names: the FP8 scales in progress.pt
+        return progress.get("fp8")
+    return None

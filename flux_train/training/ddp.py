@@ -362,6 +362,6 @@ class DDP:
         model = {name: p for b in self.buckets for name, p in zip(b.names, b.params)}
         return {"model": model, "optim": flat | {"steps": torch.tensor(self.steps)}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
         """After dcp.load filled `state_dict()`'s tensors in place (state_dict applied any pending update first)."""
-        self.steps = int(state["optim"]["steps"])
+        self.steps = int(state_dict["optim"]["steps"])

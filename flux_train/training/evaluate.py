@@ -1,11 +1,12 @@
 """Validation: `evaluate` is the pass (one forward per val sample at t = k/8, fresh noise, no caption dropout,
-per-sample MSE summed with the sample count across all ranks; val loss = sum / count); `Evaluator` is the
-trainer's eval: when one is due, its MLLOG events, metrics row and count check, and whether it reached the target.
-What follows an eval (the run report, samples: flux_train.training.pictures) is handed in as `after_eval`."""
+per-sample MSE summed with the sample count across all ranks; val loss = sum / count, and each timestep's loss
+from its own sum and count, reduced with them); `Evaluator` is the trainer's eval: when one is due, its MLLOG
+events, metrics row and count check, and whether it reached the target. What follows an eval (the run report,
+samples: flux_train.training.pictures) is handed in as `after_eval`."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -26,6 +27,15 @@ def _reshard(model: nn.Module) -> None:
             module.reshard()
 
 
+class ValLoss(NamedTuple):
+    """A validation pass over all ranks: the MLPerf val loss (sum / count), the samples counted, and the loss of
+    each timestep t = k/8 that drew samples (where a run, or FP8, goes wrong shows by t)."""
+
+    loss: float
+    count: int
+    by_timestep: dict[float, float]
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -38,11 +48,12 @@ def evaluate(
     rank: int,
     shift: float,
     scale: float,
-) -> tuple[float, int]:
-    """Returns (val loss, number of samples counted over all ranks)."""
+) -> ValLoss:
+    """The pass over this rank's `batches`, summed over all ranks."""
     was_training = model.training
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, count]
+    # [loss sum, count] of every sample (column 0), and of each timestep bin k (column 1 + k): one all-reduce
+    total = torch.zeros(2, 1 + flow.EVAL_TIMESTEP_BINS, dtype=torch.float64, device=device)
     for i, batch in enumerate(batches):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         gen = flow.seeded_generator(device, seed, eval_index, rank * 1_000_000 + i, flow.STREAM_EVAL)
@@ -50,13 +61,18 @@ def evaluate(
         inputs, target = flow.build_inputs(batch, t, gen, shift, scale, dtype)
         pred = model(**inputs.as_kwargs())
         valid = batch["valid"].to(torch.float64)
-        total[0] += (flow.per_sample_mse(pred, target).double() * valid).sum()
-        total[1] += valid.sum()
+        losses = flow.per_sample_mse(pred, target).double() * valid
+        total[0, 0] += losses.sum()
+        total[1, 0] += valid.sum()
+        # per bin by a matmul, not index_add_'s atomics: the same sums every time
+        bins = torch.nn.functional.one_hot(batch["timestep"], flow.EVAL_TIMESTEP_BINS).double()
+        total[:, 1:] += torch.stack([losses, valid]) @ bins
     all_reduce_sum(total)
     _reshard(model)
     model.train(was_training)
-    count = int(total[1].item())
-    return float(total[0].item() / max(count, 1)), count
+    sums, counts = total.tolist()
+    by_timestep = {k / flow.EVAL_TIMESTEP_BINS: s / n for k, (s, n) in enumerate(zip(sums[1:], counts[1:])) if n}
+    return ValLoss(sums[0] / max(counts[0], 1), int(counts[0]), by_timestep)
 
 
 class Evaluator:
@@ -91,8 +107,8 @@ class Evaluator:
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
-    def loss(self, eval_index: int) -> tuple[float, int]:
-        """One validation pass: (val loss, samples counted over all ranks)."""
+    def loss(self, eval_index: int) -> ValLoss:
+        """One validation pass, over all ranks."""
         return evaluate(
             self.model,
             self.val(),
@@ -111,13 +127,13 @@ class Evaluator:
         samples off the clock); else after_eval follows here."""
         self.heartbeat.beat(state.step, "eval")
         self.mllog.eval_start(state.samples)
-        val_loss, count = self.loss(state.eval_count)
+        val = self.loss(state.eval_count)
         state.eval_count += 1
-        if count != self.val_size:
-            raise RuntimeError(f"eval counted {count} samples, the val set has {self.val_size}")
-        self.mllog.eval_result(val_loss, state.samples)
-        emit({"step": state.step, "samples": state.samples, "val_loss": val_loss})
-        if val_loss <= self.target:
+        if val.count != self.val_size:
+            raise RuntimeError(f"eval counted {val.count} samples, the val set has {self.val_size}")
+        self.mllog.eval_result(val.loss, state.samples)
+        emit({"step": state.step, "samples": state.samples, "val_loss": val.loss, "val_loss_by_t": val.by_timestep})
+        if val.loss <= self.target:
             return True
         self.after_eval(state.step)
         return False

@@ -56,7 +56,7 @@ class Layout(Protocol):
         """DCP state {"model": weights by name, "optim": optimizer state}, filled in place by dcp.load."""
         ...
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
         """After dcp.load filled `state_dict()`'s tensors."""
         ...
 

@@ -41,6 +41,14 @@ def eta_goals(cfg: Config, every: int) -> list[tuple[int, str]]:
     return [(step, label) for step, label in points if step < cap] + [(cap, "step cap")]
 
 
+def tensorboard_scalars(row: dict) -> dict:
+    """A metrics row's values by TensorBoard tag: a group's ({name: number}) as group/name."""
+    tags = {}
+    for k, v in row.items():
+        tags |= {f"{k}/{name}": x for name, x in v.items()} if isinstance(v, dict) else {k: v}
+    return tags
+
+
 class Eta:
     """Time to the next eval and to the next goal, from the last window's seconds per step and the last eval's
     seconds (tqdm's own estimate runs to the step cap and leaves the evals out)."""
@@ -151,9 +159,13 @@ class Metrics:
         return row
 
     def emit(self, row: dict) -> None:
+        """A row: numbers, and groups of them ({name: number}: an eval's loss by timestep), which go to
+        metrics.jsonl and TensorBoard (as group/name) but not to the terminal's line."""
         if not self.enabled:
             return
-        text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+        text = " ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if not isinstance(v, dict)
+        )
         if self.bar is not None:
             self.bar.write(text)
             # the last training loss and, once there is one, the last val loss: an eval's row (no training loss)
@@ -175,9 +187,9 @@ class Metrics:
 
         self._written(write)
         if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, row["step"])
+            for tag, value in tensorboard_scalars(row).items():
+                if tag != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(tag, value, row["step"])
 
     def _written(self, write):
         """A row the run cannot write (a full disk) stops it, naming the file: a lost row is not found later."""

@@ -7,9 +7,8 @@
 - `perf.compile=block`: each double/single block is its own torch.compile region (fullgraph), applied before
   FSDP wraps it, so FSDP's all-gathers and the DDP layout's gather waits stay outside the graphs (a region
   per block stack measured 1.02x of this on one H200, and cannot hold those per-block hooks).
-- `perf.fp8`: the blocks' token GEMMs (model.is_token_linear) in FP8, with our kernels (flux_train.kernels.fp8)
-  or torchao's Float8Linear (`perf.fp8_impl=torchao`).
-- `prepare_model`: the order the three apply in (FP8, activation checkpointing, compile), for every caller.
+- `prepare_model`: the order the three apply in (the precision's conversion, FP8 with `perf.fp8`:
+  flux_train.training.precision; compile; activation checkpointing), for every caller.
 - `CudaGraph`: a callable captured once and replayed; `GraphedStep`: the trainer's whole optimizer step as one
   (parallel.strategy=ddp, whose weights, gradient buffers and optimizer state never move), fed from static buffers.
 """
@@ -25,8 +24,8 @@ from torch import nn
 
 from flux_train.config import PerfConfig
 from flux_train.data.contract import DataError
-from flux_train.kernels.fp8 import convert_to_fp8, device_e4m3
-from flux_train.model.flux import block_stacks, is_token_linear
+from flux_train.model.flux import block_stacks
+from flux_train.training.precision import Precision
 
 
 def preferred_attention(device: torch.device) -> str:
@@ -112,24 +111,8 @@ def _compile_caches_follow(backend: str) -> str:
     return backend
 
 
-def apply_fp8(model: nn.Module, recipe: str, impl: str, device: torch.device, history: int = 16) -> nn.Module:
-    """FP8 for the blocks' token GEMMs (before compile and sharding); recipe 'none' leaves the model as it is.
-    Ours need `FP8Scaling.of(model, device)` once the model is on its device (their scale buffers)."""
-    if recipe == "none":
-        return model
-    if impl == "torchao":
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        return convert_to_float8_training(
-            model,
-            config=Float8LinearConfig.from_recipe_name(recipe),
-            module_filter_fn=lambda module, fqn: is_token_linear(fqn, module),
-        )
-    return convert_to_fp8(model, recipe, device_e4m3(device), is_token_linear, history)
-
-
 def checkpoint_blocks(model: nn.Module) -> nn.Module:
-    """Activation checkpointing per block (before compile and sharding): backward recomputes each block."""
+    """Activation checkpointing per block (after compile, before sharding): backward recomputes each block."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     for stack in block_stacks(model):
@@ -139,15 +122,18 @@ def checkpoint_blocks(model: nn.Module) -> nn.Module:
 
 
 def prepare_model(
-    model: nn.Module, perf: PerfConfig, activation_checkpointing: bool, device: torch.device
+    model: nn.Module, perf: PerfConfig, activation_checkpointing: bool, precision: Precision
 ) -> nn.Module:
-    """The one assembly of the model's speed features, in the order they compose: FP8 Linears (which compile then
-    traces), activation checkpointing around each block, each block its own compile region. Before the layout
-    shards or gathers it; the trainer and the bench's rows both take it from here."""
-    apply_fp8(model, perf.fp8, perf.fp8_impl, device, perf.fp8_amax_history)
-    if activation_checkpointing:
-        checkpoint_blocks(model)
-    return compile_blocks(model, perf.compile)
+    """The one assembly of the model's speed features, in the order they compose: the precision's layers (FP8
+    Linears, which compile then traces), each block its own compile region, activation checkpointing around each
+    compiled block. Before the layout shards or gathers it; the trainer and the bench's rows both take it from here.
+    The checkpoint runs outside the compiled region, so everything the compiled block saves is dropped and
+    recomputed: inside it, the partitioner keeps what ops that mutate (our FP8 casts raise their amax) produce
+    instead of recomputing it (measured on 4 H100, the full model under fsdp at micro-batch 32: bf16 53.6 GiB peak,
+    FP8 out of memory)."""
+    precision.convert(model)
+    compile_blocks(model, perf.compile)
+    return checkpoint_blocks(model) if activation_checkpointing else model
 
 
 def compile_blocks(model: nn.Module, mode: str) -> nn.Module:

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from flux_train.cli import train_parser
 from flux_train.config import (
@@ -34,7 +35,6 @@ from flux_train.config import (
 )
 from flux_train.data.sources import build_data, synthetic_samples
 from flux_train.errors import StorageError, UserError, report, reports_user_errors
-from flux_train.kernels.fp8 import FP8Scaling
 from flux_train.model import flow
 from flux_train.model.diffusers_adapter import load_pretrained
 from flux_train.model.flux import build_model, check_weights, count_params, flops_per_sample, reference_init
@@ -48,6 +48,7 @@ from flux_train.training.metrics import Eta, LogWindow, Metrics, eta_goals
 from flux_train.training.optim import lr_at
 from flux_train.training.perf import GraphedStep, prepare_model, select_attention_backend
 from flux_train.training.pictures import Pictures, SamplerFactory
+from flux_train.training.precision import precision_for
 from flux_train.training.train_state import TrainState
 
 # blocks return slices of their joint sequence; we never modify them in place, which this FSDP2 warning is about
@@ -129,14 +130,15 @@ class Trainer:
         model = build_model(cfg.model, cfg.perf.rmsnorm)
         self.n_params = count_params(model)
         initial = self._initial_weights(model)
-        prepare_model(model, cfg.perf, cfg.parallel.activation_checkpointing, self.device)
+        self.precision = precision_for(cfg.perf, self.device)
+        prepare_model(model, cfg.perf, cfg.parallel.activation_checkpointing, self.precision)
         graphed = graphs_on(cfg, self.device.type)
         self.layout = build_training(
             model, self.dist.mesh, cfg.parallel, cfg.train, self.dtype, self.device, graphed=graphed
         )
         self.model = self.layout.model
         self.layout.assign_weights(initial)
-        self.fp8 = FP8Scaling.of(self.model, self.device, cfg.perf.fp8_margin)  # perf.fp8=delayed: its scales
+        self.precision.attach(self.model)
         self.graphed = GraphedStep(self._device_step) if graphed else None
         self.data = build_data(cfg, self.dist.rank, self.dist.world_size, dataset)
         self.empty = (self.data.empty_t5.to(self.device), self.data.empty_clip.to(self.device))
@@ -185,19 +187,17 @@ class Trainer:
     def _resume(self) -> None:
         """The checkpoint's state, after the warm-up (whose steps would overwrite the optimizer's moments)."""
         assert self.resume_from is not None  # run() resumes only where the run folder chose a checkpoint
-        self.state, loader_state = checkpoint.load(self.resume_from, self.layout)
-        self.data.train.load_state_dict(loader_state)
-        if self.fp8 is not None and self.state.fp8 is not None:  # else (no FP8 before): the history starts empty
-            try:
-                self.fp8.load_state_dict(self.state.fp8)
-            except ValueError as exc:  # another history length or set of FP8 layers: the scales start over
-                self._say(f"the checkpoint's FP8 scales do not fit this run ({exc}); they start from no history")
+        checkpoint.load(self.resume_from, self.parts)
         self._say(f"resumed from {self.resume_from} at step {self.state.step}")
+
+    @property
+    def parts(self) -> dict[str, Stateful]:
+        """What a checkpoint holds, by name (flux_train.training.checkpoint)."""
+        return {"progress": self.state, "layout": self.layout, "loader": self.data.train, "precision": self.precision}
 
     def save_checkpoint(self) -> Path:
         self.heartbeat.beat(self.state.step, "checkpoint")
-        self.state.fp8 = self.fp8.state_dict() if self.fp8 is not None else None
-        path = self.checkpointer.save(self.state, self.layout, self.data.train.state_dict())
+        path = self.checkpointer.save(self.state.step, self.parts)
         self._say(f"{'saving' if self.checkpointer.async_save else 'saved'} checkpoint {path}")
         return path
 
@@ -251,8 +251,7 @@ class Trainer:
         losses = [self._forward_backward(inputs, target, micro) for micro, (inputs, target) in enumerate(staged)]
         loss_sum = functools.reduce(operator.add, losses)  # the micro-batches' losses, summed in order
         grad_norm = self.layout.step()  # graphed ddp: the update runs in the next forward, no gather in flight
-        if self.fp8 is not None:
-            self.fp8.update()
+        self.precision.after_step()
         return loss_sum, grad_norm
 
     def warm_up(self, iters: int) -> None:
@@ -270,8 +269,7 @@ class Trainer:
             self._step(lambda: batch, lr=0.0)
         self.state.step = step
         self.layout.reset_optimizer()  # AdamW starts from zero moments and step 0 at the first real step
-        if self.fp8 is not None:
-            self.fp8.reset()  # and FP8 from no amax history
+        self.precision.reset()  # and FP8 delayed scaling from no amax history
         self.flops_per_sample = None  # measured again on the first real batch
 
     # ------------------------------------------------------------------ the loop
@@ -401,11 +399,18 @@ class Trainer:
             mean_loss, stop, first_bad = window.close(self.stop_requested)
             if first_bad is not None:
                 return Boundary("diverged", first_bad=first_bad)
-            overflows = {"fp8_overflows": int(self.fp8.overflows)} if self.fp8 is not None else {}
             lr = lr_at(step - 1, t.lr, t.warmup_steps)
             metrics.log(
-                step, self.flops_per_sample or 0.0, loss=mean_loss, lr=lr, grad_norm=float(grad_norm), **overflows
+                step,
+                self.flops_per_sample or 0.0,
+                loss=mean_loss,
+                lr=lr,
+                grad_norm=float(grad_norm),
+                **self.precision.metrics(),
             )
+            warning = self.precision.warning(step)
+            if warning and self.dist.is_main:
+                print(f"flux-train: warning: {warning}", file=sys.stderr, flush=True)
             if eval_due or stop:
                 return Boundary("eval" if eval_due else "stop", stop)
             if checkpoint_due:

@@ -1,5 +1,5 @@
 """Where a run is (step, evals) and what it was started with: the one schema of a checkpoint's progress.pt, used
-by the trainer, the checkpointer and the bench."""
+by the trainer, the checkpointer and the bench; the checkpoint's `progress` part."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ class TrainState:
     num_workers: int
     step: int = 0
     eval_count: int = 0
-    fp8: dict | None = None  # perf.fp8=delayed: the amax histories (kernels.fp8.FP8Scaling.state_dict)
 
     @classmethod
     def of_run(cls, cfg, world_size: int) -> TrainState:
@@ -44,13 +43,14 @@ class TrainState:
         """Training samples seen: MLLOG's samples_count."""
         return self.step * self.global_batch_size
 
-    def to_progress(self) -> dict:
+    def state_dict(self) -> dict:
         """What progress.pt holds (plain types: it is read back with weights_only)."""
-        progress = dataclasses.asdict(self)
-        progress["samples"] = self.samples
-        if self.fp8 is None:
-            del progress["fp8"]
-        return progress
+        return dataclasses.asdict(self) | {"samples": self.samples}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Where a checkpoint's run was (the settings it must share were checked before: checkpoint.check_resumable)."""
+        saved = self.from_progress(state_dict)
+        self.step, self.eval_count = saved.step, saved.eval_count
 
     @classmethod
     def from_progress(cls, progress) -> TrainState:
