@@ -146,9 +146,12 @@ def export_single_file(cfg, checkpoint: Path, out: Path) -> None:
     place when complete."""
     from safetensors.torch import save_file
 
+    from flux_train.model.diffusers_adapter import give_default_mode
+
     weights = read_weights(cfg, checkpoint)
     with staged(out, "--out", staging_file) as partial:
         save_file(weights, str(partial))
+        give_default_mode(partial)  # safetensors writes through a private temporary file (mode 0600)
         partial.rename(out)
 
 
