@@ -65,6 +65,9 @@ def lock_folder(folder: Path, setting: str) -> FolderLock:
         if not _lock(handle, folder, setting) or _is_there(handle, path):
             break
         handle.close()  # its holder removed it as it let go: the one there now is free
+    if handle.read()[:5] not in ("", "host "):  # a file of the user's by that name, not a holder's line of ours
+        handle.close()
+        raise FolderLockError(f"{setting} {folder}: {path} is not a lock file of this tool's; move it away")
     job = os.environ.get("SLURM_JOB_ID")
     try:
         handle.seek(0)

@@ -44,6 +44,13 @@ class DataprepError(Exception):
     exit_code = 2  # bad input, as flux_train.errors.EXIT_BAD_INPUT
 
 
+class DataprepStorageError(DataprepError):
+    """A file dataprep must write could not be written (a full disk, a quota): not a bad input, the same command
+    resumes once there is room."""
+
+    exit_code = 74  # as flux_train.errors.EXIT_STORAGE
+
+
 @dataclass(frozen=True)
 class Shape:
     """Sample sizes: T5 text length L and latent height H, width W (the real data: 256, 32, 32)."""

@@ -20,7 +20,7 @@ import yaml
 
 from dataprep import progress
 from dataprep.format import EMPTY_CLIP, EMPTY_T5, METADATA, DataprepError, DatasetInfo, Shape, shape_of, write_info
-from dataprep.shards import INDEX, PARTIAL
+from dataprep.shards import INDEX, SHARD_PARTIAL
 
 SPLITS = ("train", "val")
 DATASET_YAML = {"__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
@@ -31,7 +31,7 @@ def split_shards(root: Path, split: str) -> list[str]:
     folder = root / split
     if not folder.is_dir():
         return []
-    partial = sorted(p.name for p in folder.glob("*" + PARTIAL))
+    partial = sorted(p.name for p in folder.iterdir() if SHARD_PARTIAL.match(p.name))
     if partial:
         raise DataprepError(
             f"{folder}: unfinished shards {partial}; rerun the convert/encode command to finish them before prepare"

@@ -1,16 +1,18 @@
 """Writing one split's shards: atomic, resumable, with a record per finished shard.
 
-A shard is written as `shard_NNNNNN.tar.partial` and renamed when complete, then its record (samples,
-bytes, seconds, skipped inputs) lands in `<root>/.dataprep/<split>/`; a shard counts as finished only
-when its record exists, so a crash anywhere leaves at worst a partial file that the next run removes and
-redoes. Shard i holds input rows [i*S, (i+1)*S) minus skipped ones, and sample keys are first_key + row,
-so a rerun writes the same bytes (tar mtime 0) whatever was finished before.
+A shard is written as `shard_NNNNNN.tar.partial` (created exclusively: never a file that is there already) and
+renamed when complete, then its record (samples, bytes, seconds, skipped inputs) lands in
+`<root>/.dataprep/<split>/`; a shard counts as finished only when its record exists, so a crash anywhere leaves
+at worst a partial file that the next run of the same conversion (its settings recorded there) removes and redoes.
+Shard i holds input rows [i*S, (i+1)*S) minus skipped ones, and sample keys are first_key + row, so a rerun writes
+the same bytes (tar mtime 0) whatever was finished before.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,10 +20,13 @@ from typing import Iterable, Optional
 
 import webdataset as wds
 
-from dataprep.format import DataprepError
+from dataprep import digests
+from dataprep.format import DataprepError, DataprepStorageError
+from dataprep.staging import write_atomic
 
 SHARD = "shard_{:06d}.tar"
 PARTIAL = ".partial"
+SHARD_PARTIAL = re.compile(r"^shard_\d{6}\.tar\.partial$")  # the names this module writes shards under
 BOOK = ".dataprep"
 INDEX = "index.txt"
 
@@ -46,6 +51,7 @@ class ShardRecord:
     bytes: int
     seconds: float
     skipped: list = field(default_factory=list)  # [input row, source key, reason]
+    digest: Optional[dict] = None  # the shard's entry in digests.FILE (None: written before there were digests)
 
 
 def val_first_key(root: Path) -> int:
@@ -63,10 +69,14 @@ def plan_shards(rows: int, per_shard: int) -> list[ShardPlan]:
     return [ShardPlan(i, start, min(start + per_shard, rows)) for i, start in enumerate(range(0, rows, per_shard))]
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + PARTIAL)
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+def _write(path: Path, text: str) -> None:
+    """One of the split's files (a record, index.txt, ...), replaced whole; a failed write is one line."""
+    try:
+        write_atomic(path, text)
+    except OSError as exc:
+        raise DataprepStorageError(
+            f"{path}: writing it failed ({exc.strerror}); make room and rerun the same command"
+        ) from None
 
 
 class SplitWriter:
@@ -78,7 +88,8 @@ class SplitWriter:
         self.book = self.root / BOOK / split
 
     def start(self, settings: dict) -> None:
-        """Create the folders, refuse to resume with other settings, remove partial files of a crashed run."""
+        """Create the folders, refuse to resume with other settings, remove the partial shards of a crashed run of
+        the same conversion (only those: their names, where its settings are recorded)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self.book.mkdir(parents=True, exist_ok=True)
         saved = self.book / "settings.json"
@@ -91,10 +102,11 @@ class SplitWriter:
                     f"{self.dir} was started with other settings ({what}); rerun with the original "
                     f"settings to finish it, or delete {self.dir} and {self.book}"
                 )
+            for stale in self.dir.iterdir():
+                if SHARD_PARTIAL.match(stale.name):
+                    stale.unlink()
         else:
-            _write_json_atomic(saved, settings)
-        for stale in list(self.dir.glob("*" + PARTIAL)) + list(self.book.glob("*" + PARTIAL)):
-            stale.unlink()
+            _write(saved, json.dumps(settings, indent=1))
 
     def settings(self) -> Optional[dict]:
         saved = self.book / "settings.json"
@@ -117,8 +129,10 @@ class SplitWriter:
         final, tmp = self.dir / plan.name, self.partial(plan)
         count = size = 0
         try:
-            with open(tmp, "wb", buffering=1 << 22) as f:  # tar writes 10 KiB records: batch them
-                writer = wds.TarWriter(f, encoder=False, mtime=0)  # mtime 0: byte-identical reruns
+            # "x": created here, never a file that is there; 4 MiB buffers: tar writes 10 KiB records, batch them
+            with open(tmp, "xb", buffering=1 << 22) as f:
+                digester = digests.Digester(f)
+                writer = wds.TarWriter(digester, encoder=False, mtime=0)  # mtime 0: byte-identical reruns
                 try:
                     for sample in samples:
                         size += writer.write(sample)
@@ -132,28 +146,36 @@ class SplitWriter:
             else:  # every input row was skipped: no empty tar for energon to index
                 tmp.unlink()
                 final.unlink(missing_ok=True)
+        except FileExistsError:  # from the open: that file is not ours, and stays
+            raise DataprepError(
+                f"{tmp}: a file of that name is there, not written by this conversion; move it away and rerun"
+            ) from None
         except OSError as exc:  # a full disk or a quota: named in one line (from a worker too), and a rerun resumes
             tmp.unlink(missing_ok=True)
-            raise DataprepError(
+            raise DataprepStorageError(
                 f"{final}: writing it failed ({exc.strerror}); make room and rerun the same command (finished shards "
                 "are kept)"
             ) from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        record = ShardRecord(plan.index, plan.start, plan.end, count, size, time.perf_counter() - t0, skipped)
-        _write_json_atomic(self.book / f"{plan.name}.json", asdict(record))
+        seconds = time.perf_counter() - t0
+        record = ShardRecord(plan.index, plan.start, plan.end, count, size, seconds, skipped, digester.entry())
+        _write(self.book / f"{plan.name}.json", json.dumps(asdict(record), indent=1))
         return record
 
     def finish(self, records: list[ShardRecord]) -> None:
-        """index.txt (the shards, as NVIDIA's layout has it) and skipped.tsv once every shard is done. A split whose
-        every input was skipped (--skip-bad) is an error, not an empty success."""
-        names = [SHARD.format(r.index) for r in sorted(records, key=lambda r: r.index) if r.samples]
-        (self.dir / INDEX).write_text("".join(n + "\n" for n in names))
+        """index.txt (the shards, as NVIDIA's layout has it), their digests and skipped.tsv once every shard is done.
+        A split whose every input was skipped (--skip-bad) is an error, not an empty success."""
+        written = [r for r in sorted(records, key=lambda r: r.index) if r.samples]
+        names = [SHARD.format(r.index) for r in written]
+        _write(self.dir / INDEX, "".join(n + "\n" for n in names))
+        if all(r.digest for r in written):  # a conversion resumed from one of an earlier version has none to give
+            _write(self.dir / digests.FILE, digests.table({n: r.digest for n, r in zip(names, written) if r.digest}))
         rows = [s for r in sorted(records, key=lambda r: r.index) for s in r.skipped]
         skipped = self.book / "skipped.tsv"
         if rows:
-            skipped.write_text("row\tkey\treason\n" + "".join(f"{row}\t{key}\t{why}\n" for row, key, why in rows))
+            _write(skipped, "row\tkey\treason\n" + "".join(f"{row}\t{key}\t{why}\n" for row, key, why in rows))
         else:
             skipped.unlink(missing_ok=True)
         if rows and not names:

@@ -4,7 +4,8 @@ Checks: `.nv-meta/dataset.yaml` is CrudeWebdataset and split.yaml has train and 
 itself (format.METADATA, written by `prepare`) and `--shape`, if given, agrees with it; every tar reads to
 its end (no truncation); index.txt matches the shards; every sample has all parts with the dtype uint16 (bf16
 bits), the dataset's shape and no NaN/Inf, and val samples a timestep 0..7; keys are unique; the counts are
-the recorded ones; the empty encodings exist with matching shapes. Prints counts per split and per timestep;
+the recorded ones; every byte of each shard matches the digest dataprep wrote when it made it (dataprep.digests;
+data made by another tool has none, and says so); the empty encodings exist with matching shapes. Prints counts per split and per timestep;
 any defect makes the command exit non-zero with the defect named.
 """
 
@@ -30,7 +31,7 @@ from megatron.energon import (
 )
 from megatron.energon.errors import reraise_exception
 
-from dataprep import progress
+from dataprep import digests, progress
 from dataprep.format import (
     CLIP_DIM,
     EMPTY_CLIP,
@@ -90,6 +91,7 @@ class Report:
     defects: list = field(default_factory=list)
     counts: dict = field(default_factory=dict)  # split -> samples
     timesteps: dict = field(default_factory=dict)  # split -> Counter
+    digested: dict = field(default_factory=dict)  # split -> shards whose every byte was checked, None: no digests
 
     def defect(self, message: str) -> None:
         self.defects.append(message)
@@ -151,6 +153,20 @@ def check_tars(root: Path, split: str, report: Report) -> None:
                 )
         except (tarfile.TarError, OSError) as exc:
             report.defect(f"{tar}: truncated or corrupt tar ({exc})")
+
+
+def check_digests(root: Path, split: str, workers: int, report: Report) -> None:
+    """Every byte of each shard against the digest dataprep wrote as it made it (none: made by another tool)."""
+    folder = root / split
+    try:
+        entries = digests.read(folder)
+    except ValueError as exc:
+        report.defect(str(exc))
+        return
+    names = sorted(p.name for p in folder.glob("*.tar"))
+    report.digested[split] = None if entries is None else len(names)
+    if entries is not None:
+        report.defects.extend(digests.check(folder, names, entries, rng=None, threads=workers))
 
 
 def check_samples(
@@ -217,6 +233,7 @@ def verify(root: Path, asserted: Optional[Shape], workers: int) -> Report:
     shape = info.shape if info else asserted
     for split in splits:
         check_tars(root, split, report)
+        check_digests(root, split, workers, report)
         check_samples(root, split, shape, info.splits.get(split, {}).get("samples") if info else None, workers, report)
     check_empty(root, shape, report)
     rows = [
@@ -228,6 +245,10 @@ def verify(root: Path, asserted: Optional[Shape], workers: int) -> Report:
         )
     ]
     rows += [(split, f"{n} samples") for split, n in report.counts.items()]
+    rows += [
+        (f"{split} digests", f"{n} shards, every byte checked" if n is not None else "none (made by another tool)")
+        for split, n in report.digested.items()
+    ]
     if report.timesteps.get("val"):
         rows.append(
             (

@@ -178,7 +178,7 @@ def bench_parser() -> Parser:
         default=None,
         metavar="DIR",
         help="step mode: also time a checkpoint save (blocking and async) and load of the trainer's state "
-        "in DIR (removed after)",
+        "in a new folder in DIR (that folder removed after)",
     )
     p.add_argument(
         "--same-process",
@@ -192,7 +192,7 @@ def bench_parser() -> Parser:
     return p
 
 
-def node_counts(text: str) -> list[int]:
+def node_counts(text: str) -> range:
     """argparse type: N or a range A-B."""
     first, _, last = text.partition("-")
     low, high = positive_int(first), positive_int(last or first)
@@ -200,7 +200,7 @@ def node_counts(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"{text!r}: a range goes from the smaller node count to the larger, e.g. {high}-{low}"
         )
-    return list(range(low, high + 1))
+    return range(low, high + 1)
 
 
 def plan_parser() -> Parser:

@@ -603,11 +603,17 @@ def apply_override(tree: dict, assignment: str) -> dict:
     try:
         value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError:
-        quote = text.lstrip()[:1]
-        if quote in ("'", '"'):  # YAML reads it as a quoted string: taken verbatim, the stray quote would stay in
+        opening = text.lstrip()[:1]
+        if opening in ("'", '"'):  # YAML reads it as a quoted string: taken verbatim, the stray quote would stay in
             raise ConfigError(
-                f"--set {assignment!r}: the value starts with {quote} but is not a quoted string (a quote left "
+                f"--set {assignment!r}: the value starts with {opening} but is not a quoted string (a quote left "
                 "open?); close the quote, or leave the quotes out (the shell's quotes around the whole --set suffice)"
+            ) from None
+        if opening in ("[", "{"):  # YAML reads it as a list or a mapping: taken verbatim, a typo would become a value
+            kind = "list" if opening == "[" else "mapping"
+            raise ConfigError(
+                f"--set {assignment!r}: the value starts with {opening} but is not a YAML {kind} (a bracket left "
+                f"open?); close it, or quote the whole value to mean the text: --set '{dotted}=\"{text}\"'"
             ) from None
         value = text
     except ConfigError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from pathlib import Path
 from typing import Callable, NoReturn
 
 EXIT_BAD_INPUT = 2
@@ -27,6 +28,27 @@ class StorageError(UserError):
     exit_code = EXIT_STORAGE
 
 
+def output_file(path: Path, flag: str) -> Path:
+    """`path`, where a command is to write a file its user named (`flag`); a folder there is a bad input, said before
+    any work is done."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; give the path of the file to write")
+    return path
+
+
+def write_output(path: Path, flag: str, write: Callable[[Path], object]) -> None:
+    """`write(path)` for output_file(path, flag), its folder made first; a write that fails (no such place, no
+    permission, a full disk) is one line naming the flag, not a traceback."""
+    output_file(path, flag)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    except OSError as exc:
+        raise StorageError(
+            f"{flag} {path}: writing it failed ({exc.strerror or exc}); give a path that can be written"
+        ) from None
+
+
 class StateMisfit(ValueError):
     """A checkpoint part's saved state that this run's part cannot take (another recipe's, another set of layers):
     the message says what it holds and what this run has; the part keeps its own state (training.checkpoint.load)."""
@@ -40,6 +62,12 @@ def raise_on_every_rank(error: UserError, is_main: bool) -> NoReturn:
     raise SystemExit(error.exit_code)
 
 
+def report(error: UserError) -> int:
+    """'<label>: <message>' on stderr; returns the error's exit code."""
+    print(f"{error.label}: {error}" if error.label else str(error), file=sys.stderr, flush=True)
+    return error.exit_code
+
+
 def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
     """Wrap a command's main(argv, ...): a UserError becomes '<label>: <message>' on stderr and its exit code."""
 
@@ -51,12 +79,6 @@ def reports_user_errors(main: Callable[..., int]) -> Callable[..., int]:
             return report(exc)
 
     return wrapped
-
-
-def report(error: UserError) -> int:
-    """'<label>: <message>' on stderr; returns the error's exit code."""
-    print(f"{error.label}: {error}" if error.label else str(error), file=sys.stderr, flush=True)
-    return error.exit_code
 
 
 class Parser(argparse.ArgumentParser):

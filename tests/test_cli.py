@@ -141,6 +141,19 @@ BAD_INPUTS = [
         [*DEBUG, "--set", 'logging.out_dir="/x y'],
         """--set 'logging.out_dir="/x y': the value starts with " but is not a quoted string (a quote left open?)""",
     ),
+    (
+        "train-set-bracket-left-open",
+        TRAIN,
+        [*DEBUG, "--set", "logging.out_dir=[my run"],
+        "--set 'logging.out_dir=[my run': the value starts with [ but is not a YAML list (a bracket left open?); "
+        """close it, or quote the whole value to mean the text: --set 'logging.out_dir="[my run"'""",
+    ),
+    (
+        "train-set-brace-left-open",
+        TRAIN,
+        [*DEBUG, "--set", "logging.out_dir={{my run"],
+        "--set 'logging.out_dir={{my run': the value starts with {{ but is not a YAML mapping (a bracket left open?)",
+    ),
     ("train-unknown-section", TRAIN, [*DEBUG, "--set", "nosuchsection.x=1"], "unknown key 'nosuchsection'"),
     ("train-unknown-key", TRAIN, [*DEBUG, "--set", "train.nosuchkey=1"], "unknown key 'train.nosuchkey'"),
     ("train-not-a-number", TRAIN, [*DEBUG, "--set", "train.lr=abc"], "train.lr: expected a number"),
@@ -341,25 +354,73 @@ def bad_input_world(tmp: Path, argv: list[str], monkeypatch) -> Path:
     return tmp / "cwd"
 
 
-@pytest.mark.parametrize("command,argv,expected", [row[1:] for row in BAD_INPUTS], ids=[row[0] for row in BAD_INPUTS])
-def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, tmp_path, monkeypatch, capsys):
-    cwd = bad_input_world(tmp_path, argv, monkeypatch)
+def run_in_world(command: str, argv: list[str], tmp: Path, monkeypatch, capsys) -> tuple[int, str, Path, set]:
+    """The command, in-process in bad_input_world: (exit code, stderr, the folder it ran in, the paths there were
+    before it ran)."""
+    cwd = bad_input_world(tmp, argv, monkeypatch)
     capsys.readouterr()  # what making the inputs printed
-    before = set(tmp_path.rglob("*"))
-    fill = functools.partial(str.format, root=ROOT, tmp=tmp_path)
+    before = set(tmp.rglob("*"))
     try:
-        code = COMMANDS[command](list(map(fill, argv)))
+        code = COMMANDS[command]([arg.format(root=ROOT, tmp=tmp) for arg in argv])
     except SystemExit as exc:  # argparse's exit
         code = exc.code
-    err = capsys.readouterr().err.strip()
+    return code, capsys.readouterr().err.strip(), cwd, before
+
+
+@pytest.mark.parametrize("command,argv,expected", [row[1:] for row in BAD_INPUTS], ids=[row[0] for row in BAD_INPUTS])
+def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, tmp_path, monkeypatch, capsys):
+    code, err, cwd, before = run_in_world(command, argv, tmp_path, monkeypatch, capsys)
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert fill(expected) in err
+    assert expected.format(root=ROOT, tmp=tmp_path) in err
     assert [p for p in cwd.rglob("*") if p.is_file()] == []  # no plot, no runs/submitit/ pickles, ...
     log = tmp_path / "out" / "mllog.log"
     assert not (log.is_file() and "init_start" in log.read_text())  # the trainer started no MLLOG run
     # no lock file left, and no folder made and left empty (runs/x/.lock, runs/x/checkpoints/.lock, a convert's .lock)
     made = set(tmp_path.rglob("*")) - before
     assert [p for p in made if p.name == ".lock" or (p.is_dir() and not any(p.iterdir()))] == []
+
+
+# an output path that cannot be written (/proc/nope: no file can be made there, for any user) or where a folder stands
+# for a file (a file for a folder): one line, exit 2 (the path is the bad input) or 74 (the write failed), nothing
+# written; plan's plot used to end in a traceback, or be written beside a folder as <folder>.png (issue 47). The
+# commands that need a trained run or a log (checkpoint export, sample, results) are tried in test_sample.py and
+# test_results.py; bench's --json needs a GPU.
+NOPE = "/proc/nope"
+ODD_OUTPUTS = [
+    ("plan-png-unwritable", PLAN, ["--config", "{root}/configs/systems/H200_01x08.yaml", "--png", NOPE], 74),
+    ("plan-png-a-folder", PLAN, ["--config", "{root}/configs/systems/H200_01x08.yaml", "--png", "{tmp}/empty"], 2),
+    ("train-out-dir-unwritable", TRAIN, [*DEBUG, "--set", f"logging.out_dir={NOPE}"], 2),
+    ("train-out-dir-a-file", TRAIN, [*DEBUG, "--set", "logging.out_dir={tmp}/notes.txt"], 2),
+    ("train-checkpoint-dir-unwritable", TRAIN, [*DEBUG, "--set", f"checkpoint.dir={NOPE}"], 2),
+    ("submit-local-folder-unwritable", SUBMIT, [*SYSTEM, "--local", "--set", f"slurm.folder={NOPE}/%j"], 2),
+    ("submit-folder-a-file", SUBMIT, [*SYSTEM, "--set", "slurm.folder={tmp}/notes.txt"], 2),
+    ("dataprep-convert-out-unwritable", DATAPREP, ["convert", "--train", "{tmp}/nowhere", "--out", NOPE], 2),
+    ("dataprep-convert-out-a-file", DATAPREP, ["convert", "--train", "{tmp}/nowhere", "--out", "{tmp}/notes.txt"], 2),
+    ("dataprep-fixture-out-unwritable", DATAPREP, ["fixture", "--out", NOPE], 2),
+    ("dataprep-fixture-out-a-file", DATAPREP, ["fixture", "--out", "{tmp}/notes.txt"], 2),
+    ("dataprep-prepare-unwritable", DATAPREP, ["prepare", NOPE], 2),
+    (
+        "dataprep-encode-out-unwritable",
+        DATAPREP,
+        ["encode", "--split", "train", "--wds", "{tmp}/x.tar", "--out", NOPE, "--vae", "v", "--t5", "t", "--clip", "c"],
+        2,
+    ),
+    (
+        "dataprep-empty-encodings-out-a-file",
+        DATAPREP,
+        ["empty-encodings", "--out", "{tmp}/notes.txt", "--t5", "t", "--clip", "c"],
+        2,
+    ),
+]
+
+
+@pytest.mark.parametrize("command,argv,code", [row[1:] for row in ODD_OUTPUTS], ids=[row[0] for row in ODD_OUTPUTS])
+def test_an_odd_output_path_is_one_line_not_a_traceback(command, argv, code, tmp_path, monkeypatch, capsys):
+    got, err, cwd, _ = run_in_world(command, argv, tmp_path, monkeypatch, capsys)
+    assert got == code and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert NOPE in err or str(tmp_path) in err, err  # the path is named
+    assert [p for p in cwd.rglob("*") if p.is_file()] == [] and sorted(os.listdir(tmp_path / "empty")) == []
+    assert (tmp_path / "notes.txt").read_text() == "not a config, a table or a log\n"
 
 
 @pytest.mark.slow

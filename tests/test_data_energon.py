@@ -16,6 +16,7 @@ import pytest
 import torch
 from run_outputs import column, set_flags, train
 
+from dataprep import digests
 from dataprep.fixture import FixtureSpec, fixture_samples, write_fixture
 from dataprep.format import (
     METADATA,
@@ -301,6 +302,31 @@ def test_a_shard_cut_short_is_named_before_anything_reads_it(dataset, tmp_path):
     )
 
 
+def test_a_shard_swapped_for_another_of_the_same_size_is_named_before_anything_reads_it(dataset, tmp_path, capsys):
+    """Sizes and energon's offsets match (what was checked before); the start of each shard is checked against the
+    digest dataprep wrote as it made it. A dataset without digests (made by another tool) loads, said once."""
+    copy = shutil.copytree(dataset, tmp_path / "ds")
+    first, second = copy / "train" / "shard_000000.tar", copy / "train" / "shard_000001.tar"
+    assert first.stat().st_size == second.stat().st_size
+    first.rename(copy / "x")
+    second.rename(first)
+    (copy / "x").rename(second)
+    with pytest.raises(DataError) as exc:
+        build_energon(energon_config(copy), 0, 1)
+    assert str(exc.value) == (
+        f"{first}: its first bytes differ from its digest (another shard in its place, or changed); copy or convert "
+        f"it again, then check the dataset with `python -m dataprep verify {copy}`"
+    )
+    for split in ("train", "val"):
+        (copy / split / digests.FILE).unlink()
+    capsys.readouterr()
+    build_energon(energon_config(copy), 0, 1)
+    assert capsys.readouterr().out.splitlines() == [
+        f"flux-train: note: {copy} has no shard digests in train and val (made by another tool than python -m "
+        "dataprep): their contents are not checked"
+    ]
+
+
 def test_a_garbled_tar_header_is_one_line_naming_the_shard(dataset, tmp_path):
     copy = shutil.copytree(dataset, tmp_path / "ds")
     with tarfile.open(copy / "train" / "shard_000002.tar") as tar:
@@ -352,8 +378,10 @@ def test_a_sample_of_the_wrong_dtype_is_named_once_in_our_words(dataset, tmp_pat
 
 @pytest.mark.slow
 def test_a_garbled_sample_read_by_a_loader_worker_ends_the_run_in_one_line(dataset, tmp_path):
-    """The worker's error reaches the trainer with the worker's whole traceback as its message: one line of it."""
+    """The worker's error reaches the trainer with the worker's whole traceback as its message: one line of it. The
+    shards' digests are removed: as in data made by another tool, only the read finds the garbled sample."""
     copy = shutil.copytree(dataset, tmp_path / "ds")
+    (copy / "train" / digests.FILE).unlink()
     shard = copy / "train" / "shard_000001.tar"
     with tarfile.open(shard) as tar:
         member = next(m for m in tar if m.name.endswith(".t5.bytes"))

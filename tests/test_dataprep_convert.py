@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -340,24 +341,29 @@ def test_a_lock_let_go_is_never_taken_on_the_file_its_holder_removed(tmp_path, m
         assert stale.closed and os.path.samefile(f"/proc/self/fd/{lock.handle.fileno()}", out / ".lock")
 
 
-def test_a_full_disk_while_writing_a_shard_is_one_line_naming_it(tmp_path):
-    """The shard's partial file is a link to /dev/full, whose writes fail as a full disk's do (ENOSPC)."""
-    from dataprep.format import tar_sample
-    from dataprep.shards import ShardPlan, SplitWriter
+def test_a_full_disk_while_writing_a_shard_is_one_line_exit_74_and_the_rerun_finishes(tmp_path):
+    """A file size limit under a shard's size (RLIMIT_FSIZE: the write fails with EFBIG, as one to a full disk fails
+    with ENOSPC; the pool's worker inherits it): convert stops in one line naming the shard, with exit 74 as
+    docs/operating.md's exit codes say (it was 2, a bad input's), and leaves no partial file; with room again, the
+    same command finishes."""
+    inputs = write_arrow(tmp_path / "arrow", FixtureSpec(train=4, val=0, text_len=256, height=2, width=2))
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "dataprep", "convert", "--train", str(inputs["train"]), "--shape", "256,2,2"]
+    args += ["--samples-per-shard", "2", "--workers", "1", "--out", str(out)]
 
-    writer = SplitWriter(tmp_path, "train")
-    writer.start({"input": "test"})
-    partial = writer.dir / "shard_000000.tar.partial"
-    partial.symlink_to("/dev/full")
-    sample = next(fixture_samples(SPEC, "train"))
-    with pytest.raises(DataprepError) as exc:
-        writer.write(ShardPlan(0, 0, 1), [tar_sample(0, sample["key"], sample["parts"], None)], [])
-    assert str(exc.value) == (
-        f"{writer.dir / 'shard_000000.tar'}: writing it failed (No space left on device); make room and rerun the "
+    def limited() -> None:  # a shard of two samples is 4 MiB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    full = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600, preexec_fn=limited)
+    assert full.returncode == 74 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    assert full.stderr.strip().splitlines()[-1] == (  # below the progress bar
+        f"error: {out / 'train' / 'shard_000000.tar'}: writing it failed (File too large); make room and rerun the "
         "same command (finished shards are kept)"
     )
-    assert not partial.is_symlink() and not (writer.dir / "shard_000000.tar").exists()
-    assert writer.finished(ShardPlan(0, 0, 1)) is None  # the rerun writes it
+    assert not list(out.rglob("*.partial")) and not list(out.rglob("*.tar"))
+    rerun = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert (out / "train" / "index.txt").read_text().split() == ["shard_000000.tar", "shard_000001.tar"]
 
 
 def test_killed_convert_takes_its_pool_along(tmp_path):

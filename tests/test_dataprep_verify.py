@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from shell import python_on_path
 
+from dataprep import digests
 from dataprep.__main__ import main
 from dataprep.fixture import FixtureSpec, write_fixture
 from dataprep.format import METADATA, DatasetInfo, Shape, read_info, write_info
@@ -55,6 +56,7 @@ def test_clean_dataset_passes_with_counts_per_split_and_timestep(clean, capsys):
     assert rc == 0, out
     assert "train             10 samples" in out and "val               9 samples" in out
     assert "val per timestep  0: 2, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 7: 1" in out
+    assert "train digests     2 shards, every byte checked" in out and "val digests       2 shards" in out
     assert "defects           none" in out
 
 
@@ -64,6 +66,32 @@ def test_truncated_tar_is_named(dataset, capsys):
     rc, out = verify(dataset, capsys)
     assert rc == 1
     assert f"{shard}: truncated or corrupt tar" in out
+
+
+def test_a_swapped_or_changed_shard_is_named_by_its_digest_and_data_without_digests_passes(dataset, capsys):
+    """Two shards of the same size swapped, and a byte changed past a shard's start: their lengths, offsets and
+    samples are fine, their content is not what dataprep wrote. Without digests (data made by another tool) verify
+    says so and checks the rest."""
+    first, second = dataset / "train" / "shard_000000.tar", dataset / "train" / "shard_000001.tar"
+    assert first.stat().st_size == second.stat().st_size
+    first.rename(dataset / "x")
+    second.rename(first)
+    (dataset / "x").rename(second)
+    val = dataset / "val" / "shard_000001.tar"
+    data = val.read_bytes()
+    at = data.rindex(b'"key": "val-8"') + len(b'"key": "val-')  # the last sample's source key, past the head
+    assert at > digests.HEAD_BYTES
+    val.write_bytes(data[:at] + b"9" + data[at + 1 :])  # still a readable sample
+    rc, out = verify(dataset, capsys)
+    assert rc == 1
+    swapped = "its first bytes differ from its digest (another shard in its place, or changed)"
+    assert f"{first}: {swapped}" in out and f"{second}: {swapped}" in out
+    assert f"{val}: bytes 0-{val.stat().st_size} differ from its digest (changed)" in out
+    assert "defects           3\n" in out
+    for split in ("train", "val"):
+        (dataset / split / digests.FILE).unlink()
+    rc, out = verify(dataset, capsys)
+    assert rc == 0 and "train digests     none (made by another tool)" in out, out
 
 
 def test_wrong_shape_is_named(dataset, capsys):

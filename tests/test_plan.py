@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import time
 from pathlib import Path
 
 import mlperf_logging
@@ -89,6 +90,28 @@ def test_a_gbs_without_rcp_is_refused_naming_the_ones_with(capsys, tmp_path):
     assert len(err.splitlines()) == 1 and err.startswith("plan: GBS 768 has no reference convergence point")
     assert ", ".join(map(str, sizes)) in err
     assert not (tmp_path / "p.png").exists()
+
+
+def test_node_counts_no_run_can_use_are_refused_at_once_and_the_largest_usable_range_is_answered(capsys, tmp_path):
+    """`--nodes 1-1000000` (a typo away from 1-100) printed nothing for minutes: past one sample per GPU no node count
+    can train, so such a range is refused in one line; the largest range a GBS can use (4096 samples on one GPU per
+    node) is answered within 10 s, every count that does not split the batch in a row of its own."""
+    png = tmp_path / "p.png"
+    t0 = time.perf_counter()
+    assert plan.main(["--config", "configs/systems/H200_08x08.yaml", "--nodes", "1-1000000", "--png", str(png)]) == 2
+    assert time.perf_counter() - t0 < 10
+    assert capsys.readouterr().err == (
+        "plan: --nodes 1000000: GBS 1024 gives 8 GPUs per node one sample each at 128 nodes; give node counts up to "
+        "128\n"
+    )
+    assert not png.exists()
+    t0 = time.perf_counter()
+    argv = ["--config", H200, "--set", "train.global_batch_size=4096", "--gpus-per-node", "1", "--nodes", "1-4096"]
+    assert plan.main([*argv, "--png", str(png)]) == 0
+    assert time.perf_counter() - t0 < 10
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if re.match(r"\s*\d+ +\d+ ", line)]
+    assert rows == [str(n) for n in range(1, 4097)]
+    assert png.is_file()
 
 
 class _Group:

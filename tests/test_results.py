@@ -255,6 +255,20 @@ def test_plot_is_a_real_png(runs, tmp_path, capsys):
     assert pixels.shape[0] > 300 and pixels.shape[1] > 500 and np.std(pixels) > 0.05
 
 
+def test_a_plot_that_cannot_be_written_is_one_line(runs, tmp_path, capsys):
+    """--out where no file can be made (/proc/nope), or where a folder stands in the plot's place: one line, no
+    traceback, and nothing printed as if it had been written."""
+    (tmp_path / "plots" / "val_loss.png").mkdir(parents=True)
+    for out, code, line in [
+        ("/proc/nope", 74, "fatal: --out /proc/nope/val_loss.png: writing it failed (No such file or directory); "),
+        (tmp_path / "plots", 2, f"error: --out {tmp_path / 'plots' / 'val_loss.png'} is a folder; give the path of "),
+    ]:
+        assert results.main([str(runs / "run_1"), "--out", str(out)]) == code
+        printed = capsys.readouterr()
+        assert printed.err.startswith(line) and len(printed.err.splitlines()) == 1 and printed.out == "", printed.err
+    assert list((tmp_path / "plots").rglob("*")) == [tmp_path / "plots" / "val_loss.png"]
+
+
 def test_a_campaign_folder_is_read_run_by_run(runs, tmp_path):
     """The folder `submit --runs N` writes (one run folder each) reads as its runs, in name order."""
     campaign = tmp_path / "campaign"

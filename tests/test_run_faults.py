@@ -18,12 +18,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from run_outputs import column, events, losses, metrics, set_flags, train_command
 from run_outputs import train as run_train
 
 from flux_train.config import load_config
 from flux_train.outputs import results
 from flux_train.tools.export import main as export_main
+from flux_train.tools.export import read_weights
 from flux_train.training import checkpoint, checkpoint_size, run_folder, train
 
 pytestmark = pytest.mark.slow  # the module fixture trains
@@ -501,3 +503,75 @@ def test_a_run_whose_teardown_hangs_is_ended_naming_the_rank_and_where_it_waits(
     assert 'File "<string>", line 3 in <lambda>' in proc.stderr
     run_stop = next(e for e in events(out) if e["key"] == "run_stop")
     assert 2 <= ended - run_stop["time_ms"] / 1000 < 2 + 10  # parallel.exit_timeout_s after the run ended
+
+
+def test_an_error_before_a_teardown_that_hangs_is_said_before_the_deadline_ends_it(tmp_path):
+    """A run stopped by a bad input once printed only the deadline's line when its teardown then hung: the error's own
+    line, what the user has to fix, came after the teardown, which never ended. The bad input is real (a data.path
+    that does not exist, found after the process group is up); the hang is planted as above. A fault that is no bad
+    input (planted here: a bug's exception, whose traceback would come after the teardown) is named in the deadline's
+    line."""
+    hang = "import sys, time\nfrom flux_train.training import train\ntrain.shutdown = lambda: time.sleep(300)\n"
+    bug = "train.Trainer.run = lambda self: 1 / 0\n"
+    out, nowhere = tmp_path / "run", tmp_path / "nowhere"
+    lines = []
+    for script, args in [
+        (hang, flags(data__source="energon", data__path=nowhere, parallel__exit_timeout_s=2)),
+        (hang + bug, flags(parallel__exit_timeout_s=2, checkpoint__resume="none")),
+    ]:
+        command = [
+            sys.executable,
+            "-c",
+            script + "sys.exit(train.main(sys.argv[1:]))\n",
+            *train_command(out, *args)[3:],
+        ]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 6, proc.stderr[-2000:]
+        lines.append(proc.stderr.splitlines())
+    (error, ended, *_), (bug_ended, *_) = lines
+    assert error == (
+        f"config error: data.path {nowhere} does not exist here; point it at the prepared dataset (python -m dataprep) "
+        "or use data.source=synthetic"
+    )
+    assert ended.startswith("flux-train: rank 0 on ") and "the run ended (stopped by an error) but" in ended
+    assert "the run ended (stopped by ZeroDivisionError: division by zero) but" in bug_ended
+
+
+def test_a_final_checkpoint_cut_by_a_kill_is_completed_by_the_same_command_without_a_second_run_stop(tmp_path):
+    """The final save follows run_stop (off the clock); SIGKILL during it (planted where its shards are written and
+    progress.pt is not, the deterministic moment of a kill mid-save) left step_00000006.tmp, and the same command
+    again was refused as a finished run, the last step's weights lost. Now it trains steps 5-6 again from the
+    checkpoint of step 4 and saves them: the weights of an uninterrupted run, its records untouched (one run_stop),
+    and only then is the run finished."""
+    cut = (
+        "import os, signal, sys\n"
+        "from flux_train.training import checkpoint, train\n"
+        "complete = checkpoint.Checkpointer._complete\n"
+        "def cut(self, tmp, final, progress):\n"
+        "    if progress['step'] == 6:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    complete(self, tmp, final, progress)\n"
+        "checkpoint.Checkpointer._complete = cut\n"
+        "sys.exit(train.main(sys.argv[1:]))\n"
+    )
+    args = flags(train__max_steps=6, checkpoint__every_steps=4, eval__target=0)
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert run_train(whole, *args, timeout=300).returncode == 0
+    killed = subprocess.run([sys.executable, "-c", cut, *train_command(out, *args)[3:]], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (out / "checkpoints" / "step_00000006.tmp").is_dir() and newest(out).name == "step_00000004"
+    records = snapshot(out)
+    completed = run_train(out, *args, timeout=300)
+    final = out / "checkpoints" / "step_00000006"
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert f"completed the final checkpoint {final} of the finished run (steps 5-6 again)" in completed.stdout
+    assert {k: v for k, v in snapshot(out).items() if not k.startswith(("checkpoints/", "heartbeats/"))} == {
+        k: v for k, v in records.items() if not k.startswith(("checkpoints/", "heartbeats/"))
+    }  # mllog.log (one run_stop) and metrics.jsonl as the run left them
+    assert [e["key"] for e in events(out)].count("run_stop") == 1
+    assert newest(out) == final and not list((out / "checkpoints").glob("*.tmp"))
+    cfg = load_config(out / "config.yaml")
+    mine, reference = read_weights(cfg, final), read_weights(cfg, whole / "checkpoints" / "step_00000006")
+    assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
+    again = run_train(out, *args, timeout=300)
+    assert again.returncode == 2 and "holds a finished run" in again.stderr

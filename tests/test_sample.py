@@ -150,6 +150,42 @@ def test_bad_inputs_end_in_one_line(trained, tiny_models, prompts, tmp_path, cap
     assert not (tmp_path / "grid.png").exists()
 
 
+def test_outputs_that_cannot_be_written_end_in_one_line(trained, tiny_models, prompts, tmp_path, capsys):
+    """--out a folder, --exported a folder that holds files: refused before any work, exit 2 (a traceback from the
+    image library, and an export written into the user's folder); --out or --exported where no file can be made:
+    one line, exit 74 (a traceback). The user's files stay as they were."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own\n")
+    base = ["--checkpoint", str(trained / "checkpoints"), "--prompts", str(prompts), "--size", "32"]
+    grid = str(tmp_path / "grid.png")
+    cases = [
+        (["--out", str(mine)], 2, f"error: --out {mine} is a folder; give the path of the file to write"),
+        (
+            ["--out", grid, "--exported", str(mine)],
+            2,
+            f"error: --exported {mine} exists; give a new folder to write the export into (nothing is overwritten)",
+        ),
+        (
+            ["--out", "/proc/nope/grid.png"],
+            74,
+            "fatal: --out /proc/nope/grid.png: writing it failed (No such file or directory); give a path that can be "
+            "written",
+        ),
+        (
+            ["--out", grid, "--exported", "/proc/nope"],
+            74,
+            "fatal: writing the export --exported /proc/nope failed (No such file or directory: /proc/.nope.",
+        ),
+    ]
+    for args, code, line in cases:
+        assert sample.main([*base, *args, *model_args(tiny_models)]) == code
+        err = capsys.readouterr().err
+        assert err.startswith(line) and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "prompts.txt"]
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
 @pytest.fixture
 def flux(tiny_models, tmp_path):
     """The tiny models in the pipeline folder layout eval.sample_weights names."""

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -289,6 +290,23 @@ def test_a_rerun_after_a_kill_before_the_first_checkpoint_says_it_starts_over(tm
         "and metrics.jsonl begin again)" in again.stdout.splitlines()
     )
     assert [row["step"] for row in metrics(tmp_path) if "loss" in row] == [1, 2, 3]
+
+
+def test_a_step_cap_on_an_eval_ends_the_log_with_that_eval_and_the_checker_accepts_it(tmp_path):
+    """train.max_steps 20 with an eval every 4 steps: the log ends eval_stop, run_stop at the eval of step 20, as the
+    MLPerf recipes' logs end at their last eval (an empty block_start/block_stop pair after it was logged before). The
+    target 0 keeps the run going to the cap; latent_scale 0.02 brings an eval under 0.586, which the checker wants."""
+    flags = ["data.source=synthetic", f"logging.out_dir={tmp_path}", "train.max_steps=20", "eval.every_steps=4"]
+    flags += ["logging.log_every=4", "train.latent_scale=0.02", "eval.target=0", "checkpoint.final=false"]
+    assert main(["--config", "configs/debug.yaml", *set_flags(flags)]) == 0
+    events = read_events(tmp_path / "mllog.log")
+    ending = [(e["key"], e["metadata"].get("samples_count")) for e in events[-4:]]
+    assert ending == [("eval_start", 160), ("eval_accuracy", 160), ("eval_stop", 160), ("run_stop", 160)]
+    keys = [e["key"] for e in events]
+    assert keys.count("block_start") == keys.count("block_stop") == keys.count("eval_start") == 5
+    checker = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training", "--ruleset", "6.0.0"]
+    proc = subprocess.run([*checker, str(tmp_path / "mllog.log")], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
 def test_bad_config_exits_2_with_one_message(tmp_path, capsys):

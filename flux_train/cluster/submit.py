@@ -315,7 +315,7 @@ def run_local(cfg: Config, runs: int) -> int:
 def run_one_local(cfg: Config) -> int:
     job_id = f"local-{os.getpid()}"  # one id for the folder and the agent's log lines
     run_dir = Path(cfg.slurm.folder.replace("%j", job_id)).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    create_folder(run_dir)
     config_file = run_dir / "config.yaml"
     write_job_config(cfg, config_file)
     _, python = container.command(cfg)
@@ -339,6 +339,17 @@ def run_one_local(cfg: Config) -> int:
     else:
         print(f"submit --local: job {job_id} ended; the run's outputs are in {Path(cfg.logging.out_dir).resolve()}")
     return 128 - code if code < 0 else code
+
+
+def create_folder(folder: Path) -> None:
+    """The job's log folder (slurm.folder), made now: a place this host cannot make it is one line."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = f"{exc.filename} is a file" if isinstance(exc, FileExistsError) else exc.strerror
+        raise SubmitError(
+            f"slurm.folder: cannot create {folder} ({why}); choose a folder this host can write"
+        ) from None
 
 
 def ended(code: int) -> str:
@@ -380,13 +391,14 @@ def submit(cfg: Config, runs: int) -> None:
             "on this machine, or --dry-run to see the job"
         )
     folder = os.path.abspath(cfg.slurm.folder)
+    staging = JobPaths.get_first_id_independent_folder(folder)  # pickles and script go here
+    made = missing_folders(staging)
+    create_folder(staging)
+    before = set(staging.iterdir())
     srun_args, python = container.command(cfg)
     # requeue counting is the agent's (slurm.max_requeue), not submitit's: its USR2 handler is replaced
     executor = submitit.SlurmExecutor(folder=folder, python=shlex.join(python))
     executor.update_parameters(**sbatch_parameters(cfg, folder, srun_args))
-    staging = JobPaths.get_first_id_independent_folder(folder)  # pickles and script go here
-    before = set(staging.iterdir()) if staging.is_dir() else set()
-    made = missing_folders(staging)
     try:
         # submitit prints sbatch's stderr as well as raising it: the one line below carries it
         with contextlib.redirect_stderr(io.StringIO()), executor.batch():  # more than one job: a job array

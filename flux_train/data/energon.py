@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import random
 import re
 import tarfile
 import warnings
@@ -27,6 +28,7 @@ from megatron.energon import (
 )
 from megatron.energon.errors import reraise_exception
 
+from dataprep import digests
 from dataprep.format import (
     METADATA,
     PARTS,
@@ -330,6 +332,28 @@ def _fixture(cfg: Config) -> Path:
     )
 
 
+def check_digests(path: Path, seed: int) -> list[str]:
+    """Each split's shards against the digests dataprep wrote as it made them (digests.check: the start of every
+    shard and a few pieces of the split, drawn from `seed`: the same on every rank, read once per node); returns the
+    splits that have none (made by another tool)."""
+    without = []
+    for split in ("train", "val"):
+        folder = path / split
+        try:
+            entries = digests.read(folder)
+        except ValueError as exc:
+            raise DataError(f"{exc}; convert the dataset again") from None
+        if entries is None:
+            without.append(split)
+            continue
+        problems = digests.check(folder, sorted(p.name for p in folder.glob("*.tar")), entries, random.Random(seed))
+        if problems:
+            raise DataError(
+                f"{problems[0]}; copy or convert it again, then check the dataset with `python -m dataprep verify {path}`"
+            )
+    return without
+
+
 class DatasetFiles(NamedTuple):
     """What a run reads of the dataset before its first sample, checked against the config."""
 
@@ -337,6 +361,7 @@ class DatasetFiles(NamedTuple):
     empty_t5: torch.Tensor
     empty_clip: torch.Tensor
     dims: DimsCheck
+    undigested: list[str]  # splits without shard digests (data made by other tools): said once, not an error
 
 
 def dataset_files(cfg: Config) -> DatasetFiles:
@@ -350,23 +375,31 @@ def dataset_files(cfg: Config) -> DatasetFiles:
             f"`python -m dataprep prepare {path}`"
         )
     check_shards(path)
+    undigested = check_digests(path, cfg.train.seed)
     empty_dir = Path(d.empty_encodings) if d.empty_encodings else path / "empty_encodings"
     try:
         empty_t5, empty_clip = load_empty_encodings(empty_dir)
         info = read_info(path)
     except FormatError as exc:
         raise DataError(str(exc)) from None
-    return DatasetFiles(path, empty_t5, empty_clip, DimsCheck(path, info, empty_t5, empty_clip, cfg.model, empty_dir))
+    dims = DimsCheck(path, info, empty_t5, empty_clip, cfg.model, empty_dir)
+    return DatasetFiles(path, empty_t5, empty_clip, dims, undigested)
 
 
 def build_energon(cfg: Config, rank: int, world: int, files: DatasetFiles | None = None) -> DataSource:
     """The loaders over `files` (dataset_files(cfg) if not given: it scans every shard)."""
     d = cfg.data
-    path, empty_t5, empty_clip, dims = files if files is not None else dataset_files(cfg)
+    path, empty_t5, empty_clip, dims, undigested = files if files is not None else dataset_files(cfg)
     if not d.path and rank == 0:
         print(
             f"flux-train: data.path is unset, training on the fixture dataset {path} (a debug set: "
             f"{d.synthetic_train_samples} train, {d.synthetic_val_samples} val samples)",
+            flush=True,
+        )
+    if undigested and rank == 0:
+        print(
+            f"flux-train: note: {path} has no shard digests in {' and '.join(undigested)} (made by another tool than "
+            f"python -m dataprep): their contents are not checked",
             flush=True,
         )
     try:

@@ -26,7 +26,7 @@ from mlperf_logging.benchmark_meta import get_result_file_counts
 
 from flux_train.cli import results_parser
 from flux_train.config import TARGET_VAL_LOSS
-from flux_train.errors import UserError, reports_user_errors
+from flux_train.errors import UserError, reports_user_errors, write_output
 from flux_train.outputs.mllog import BENCHMARK, RULESET, USAGE, read_records
 from flux_train.outputs.report import draw_val_loss
 from flux_train.private_apis import compliance_check, rcp_batch_sizes, rcp_check
@@ -314,8 +314,7 @@ def plot_val_loss(runs: list[Run], path: Path) -> None:
     ax = fig.subplots()
     draw_val_loss(ax, {run.name: [(s, v) for s, v in run.evals if s is not None] for run in runs}, TARGET_VAL_LOSS)
     ax.set_title(f"flux1 validation loss, {len(runs)} run(s)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    write_output(path, "--out", lambda p: fig.savefig(p, dpi=120, format="png"))
 
 
 # ---------------------------------------------------------------------------------------------- output

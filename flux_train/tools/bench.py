@@ -24,6 +24,7 @@ comparison in one GPU session: the stock rows move several per cent from one mac
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from flux_train.cli import BENCH_ROWS, bench_parser
 from flux_train.config import Config, PerfConfig, graphs_on, load_config
 from flux_train.data.sources import synthetic_samples
-from flux_train.errors import UserError, reports_user_errors
+from flux_train.errors import UserError, reports_user_errors, write_output
 from flux_train.model import flow
 from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
 from flux_train.model.flux import build_model, flops_per_sample, init_weights, is_token_linear
@@ -498,7 +499,7 @@ def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
         dist.barrier()
         return result, round(time.perf_counter() - t0, 2)
 
-    root, parts = Path(args.checkpoint), trainer.parts
+    root, parts = own_folder(Path(args.checkpoint)), trainer.parts
     blocking = checkpoint.Checkpointer(root / "sync", keep=1)
     path, save_s = clock(lambda: blocking.save(1, parts))
     size_gb = round(sum(f.stat().st_size for f in path.iterdir()) / 1e9, 1)
@@ -519,8 +520,21 @@ def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
     _, again_s = clock(lambda: background.save(2, parts))
     report("async_blocking_s", again_s)  # every later save: the buffers are reused
     background.close()
-    shutil_rmtree(root / "async")
+    shutil_rmtree(root)
     return out
+
+
+def own_folder(parent: Path) -> Path:
+    """A new folder in --checkpoint for the bench's saves, the same on every rank: what it removes is its own, never
+    a folder of the user's there."""
+    from dataprep.staging import staging_folder
+
+    made: list = [None]
+    if dist.get_rank() == 0:
+        parent.mkdir(parents=True, exist_ok=True)
+        made[0] = staging_folder(parent / "bench")
+    dist.broadcast_object_list(made, src=0)
+    return made[0]
 
 
 def shutil_rmtree(path) -> None:
@@ -631,8 +645,7 @@ def measure(cfg: Config, args, rows: list[str]) -> int:
         if rank0:
             print("ROW " + json.dumps(result), flush=True)
             if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(result) + "\n")
+                write_output(Path(args.json), "--json", functools.partial(append_row, row=result))
         if error is not None and (dist.is_initialized() or not usable_after(error)):
             # the other ranks wait in a collective (torchrun ends them), or this process's CUDA context is lost
             os._exit(1)
@@ -640,6 +653,11 @@ def measure(cfg: Config, args, rows: list[str]) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 1 if failed else 0
+
+
+def append_row(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def row_error(exc: BaseException) -> str:

@@ -9,16 +9,17 @@ diffusers loads it and checked against the checkpoint's model (flux_train.tools.
 
 from __future__ import annotations
 
-import os
+import contextlib
 import shutil
 import sys
-import tempfile
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from dataprep.staging import staging_file, staging_folder
 from flux_train.cli import checkpoint_parser
 from flux_train.config import ConfigError, ModelConfig, load_config
 from flux_train.errors import StorageError, UserError, reports_user_errors
@@ -70,23 +71,52 @@ def read_weights(cfg, checkpoint: Path) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
+def check_new_folder(out: Path, flag: str) -> None:
+    """Refuse an export's destination that holds anything: nothing there is written into (an empty folder aside)."""
+    if out.is_symlink() or (out.exists() and not (out.is_dir() and not any(out.iterdir()))):
+        raise UserError(f"{flag} {out} exists; give a new folder to write the export into (nothing is overwritten)")
+
+
+@contextlib.contextmanager
+def staged(out: Path, flag: str, make: Callable[[Path], Path]) -> Iterator[Path]:
+    """A staging name of its own beside `out` (`make`: dataprep.staging's folder or file), to be written and renamed
+    into place: on any failure it is removed, and a failed write (no such place, a full disk: safetensors raises an
+    error of its own for it) is one line."""
+    from safetensors import SafetensorError
+
+    partial = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = make(out)
+        yield partial
+    except BaseException as exc:
+        if partial is not None and partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        elif partial is not None:
+            partial.unlink(missing_ok=True)
+        if isinstance(exc, (OSError, SafetensorError)):
+            raise StorageError(f"writing the export {flag} {out} failed ({brief(exc)})") from None
+        raise
+
+
+def write_export(weights: dict[str, torch.Tensor], mcfg, out: Path, flag: str) -> None:
+    """`weights` as a diffusers folder at `out` (check_new_folder's), written into a staging folder of its own beside
+    it and renamed into place when complete: a folder of the user's is never written into or removed."""
+    from flux_train.model.diffusers_adapter import save_diffusers
+
+    check_new_folder(out, flag)
+    with staged(out, flag, staging_folder) as partial:
+        save_diffusers(weights, mcfg, partial)
+        partial.rename(out)
+
+
 def export_checkpoint(cfg, checkpoint: Path, out: Path) -> None:
-    """Offline export of a DCP checkpoint's weights as a diffusers folder, written beside it and renamed into place
-    when complete; nothing that exists at `out` is written into (an empty folder aside)."""
-    from flux_train.model.diffusers_adapter import quiet_diffusers, save_diffusers
+    """Offline export of a DCP checkpoint's weights as a diffusers folder at `out` (write_export)."""
+    from flux_train.model.diffusers_adapter import quiet_diffusers
 
     quiet_diffusers()
-    if out.is_symlink() or (out.exists() and not (out.is_dir() and not any(out.iterdir()))):
-        raise UserError(f"--out {out} exists; give a new folder to write the export into (nothing is overwritten)")
-    weights = read_weights(cfg, checkpoint)
-    partial = out.with_name(out.name + ".partial")
-    try:
-        shutil.rmtree(partial, ignore_errors=True)
-        save_diffusers(weights, cfg.model, partial)
-        partial.rename(out)
-    except OSError as exc:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise StorageError(f"writing the export {out} failed ({brief(exc)})") from None
+    check_new_folder(out, "--out")  # before the weights are read
+    write_export(read_weights(cfg, checkpoint), cfg.model, out, "--out")
 
 
 # FLUX.1's hidden size: the single-file layout's readers take it as given (diffusers' from_single_file and ComfyUI
@@ -119,16 +149,10 @@ def export_single_file(cfg, checkpoint: Path, out: Path) -> None:
     from flux_train.model.diffusers_adapter import give_default_mode
 
     weights = read_weights(cfg, checkpoint)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
-    os.close(fd)
-    try:
-        save_file(weights, partial)
-        give_default_mode(Path(partial))
-        os.rename(partial, out)
-    except OSError as exc:
-        Path(partial).unlink(missing_ok=True)
-        raise StorageError(f"writing the export {out} failed ({brief(exc)})") from None
+    with staged(out, "--out", staging_file) as partial:
+        save_file(weights, str(partial))
+        give_default_mode(partial)  # safetensors writes through a private temporary file (mode 0600)
+        partial.rename(out)
 
 
 @reports_user_errors

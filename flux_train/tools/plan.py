@@ -56,7 +56,7 @@ from flux_train.config import (
     load_config,
     mesh_shape,
 )
-from flux_train.errors import UserError, reports_user_errors
+from flux_train.errors import UserError, output_file, reports_user_errors, write_output
 from flux_train.model.flux import flops_per_sample, param_count, token_linear_param_count
 from flux_train.outputs.mllog import BENCHMARK, RULESET, USAGE, rcp_samples
 from flux_train.precision_recipes import RECIPES, labelled
@@ -542,13 +542,13 @@ def time_to_train(cfg: Config, figs: Figures, notes: Notes, rcp: dict, step: flo
 
 def sized(cfg: Config, nodes: int) -> tuple[Config, str | None]:
     """The config at this node count, its micro-batch lowered to a divisor where GBS no longer splits into it;
-    (config, why not) when the GBS does not split over the GPUs at all."""
+    (the config as given, why not) when the GBS does not split over the GPUs at all."""
+    world, mb = nodes * cfg.slurm.gpus_per_node, cfg.train.micro_batch_size
+    per_gpu, rest = divmod(cfg.train.global_batch_size, world)
+    if rest or not per_gpu:  # before the copy: a range holds many such counts
+        return cfg, f"GBS {cfg.train.global_batch_size} does not split over {world} GPUs"
     c = copy.deepcopy(cfg)
     c.slurm.nodes = nodes
-    world, mb = nodes * c.slurm.gpus_per_node, c.train.micro_batch_size
-    per_gpu, rest = divmod(c.train.global_batch_size, world)
-    if rest or not per_gpu:
-        return c, f"GBS {c.train.global_batch_size} does not split over {world} GPUs"
     c.train.micro_batch_size = max(d for d in range(1, mb + 1) if per_gpu % d == 0)
     return c, None
 
@@ -796,14 +796,15 @@ def plot(plans: list[dict], path: str, title: str) -> None:
     for ax in (left, right):
         ax.legend()
         ax.grid(alpha=0.3)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    write_output(Path(path), "--png", lambda p: fig.savefig(p, dpi=110, format="png"))
 
 
 @reports_user_errors
 def main(argv=None) -> int:
     args = plan_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    png = args.png or str(Path(cfg.logging.out_dir) / "plan.png")  # beside the run's outputs, not where plan ran
+    output_file(Path(png), "--png")
     if args.gpus_per_node:
         cfg.slurm.gpus_per_node = args.gpus_per_node
     kind = args.gpu or cfg.preflight.gpu_name
@@ -821,17 +822,23 @@ def main(argv=None) -> int:
         print(json.dumps(results, indent=1)) if args.json else print_check(results)
         return 0
     rcp = rcp_points(cfg.train.global_batch_size)
+    counts = sorted({n for group in args.nodes or [[cfg.slurm.nodes]] for n in group})
+    most = cfg.train.global_batch_size // cfg.slurm.gpus_per_node  # one sample per GPU
+    if counts[-1] > most:  # what no run can use is not computed (a range of a million once took minutes)
+        raise PlanError(
+            f"--nodes {counts[-1]}: GBS {cfg.train.global_batch_size} gives {cfg.slurm.gpus_per_node} GPUs per node one "
+            f"sample each at {most} nodes; give node counts up to {most}"
+        )
     plans = []
-    for nodes in sorted({n for group in args.nodes or [[cfg.slurm.nodes]] for n in group}):
+    for nodes in counts:
         c, why_not = sized(cfg, nodes)
         gpus = nodes * c.slurm.gpus_per_node
         plans.append({"nodes": nodes, "gpus": gpus, "error": why_not} if why_not else project(c, figs, rcp))
-    png = args.png or str(Path(cfg.logging.out_dir) / "plan.png")  # beside the run's outputs, not where plan ran
+    plot(plans, png, f"{Path(args.config).stem} on {kind}, GBS {rcp['gbs']}")  # first: it can fail
     if args.json:
         print(json.dumps({"config": args.config, "gpu": kind, "rcp": rcp, "plans": plans}, indent=1))
     else:
         print_plan(args.config, cfg, figs, rcp, plans, png)
-    plot(plans, png, f"{Path(args.config).stem} on {kind}, GBS {rcp['gbs']}")
     return 0
 
 

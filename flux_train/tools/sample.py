@@ -30,8 +30,8 @@ from dataprep.extras import require
 from dataprep.format import IMAGE_SIZE, DataprepError
 from flux_train.cli import sample_parser
 from flux_train.config import Config, ModelConfig, TrainConfig, load_config
-from flux_train.errors import UserError, reports_user_errors
-from flux_train.model.diffusers_adapter import diffusers_config, quiet_diffusers, save_diffusers, to_diffusers
+from flux_train.errors import UserError, output_file, reports_user_errors, write_output
+from flux_train.model.diffusers_adapter import diffusers_config, quiet_diffusers, to_diffusers
 
 STEPS = 4  # Flux.1-schnell's sampler: 4 steps, guidance-distilled (no classifier-free guidance)
 # FLUX.1-schnell's scheduler_config.json: Euler over the flow, no resolution-dependent shift
@@ -206,9 +206,12 @@ def run_config_file(checkpoint: Path) -> Path:
 
 @reports_user_errors
 def main(argv=None) -> int:
-    from flux_train.tools.export import find_checkpoint, read_weights
+    from flux_train.tools.export import check_new_folder, find_checkpoint, read_weights, write_export
 
     args = sample_parser().parse_args(argv)
+    output_file(args.out, "--out")  # the outputs' paths, before minutes of work
+    if args.exported:
+        check_new_folder(args.exported, "--exported")
     try:  # first: without it nothing else is worth checking (the encoders themselves load last)
         require("transformers", "python -m flux_train.sample (its T5 and CLIP text encoders)")
     except DataprepError as exc:
@@ -226,10 +229,9 @@ def main(argv=None) -> int:
     sampler = Sampler(weights, prompts, cfg.model, cfg.train, device, dtype)
     state = read_weights(cfg, checkpoint)
     if args.exported:
-        save_diffusers(state, cfg.model, args.exported)
+        write_export(state, cfg.model, args.exported, "--exported")
     grid = sampler.grid(state, args.size, args.seed, args.columns)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(args.out)
+    write_output(args.out, "--out", lambda path: grid.save(path, format="PNG"))
     print(
         f"wrote {args.out}: {len(prompts)} images of {args.size}x{args.size} from {checkpoint} (grid "
         f"{grid.width}x{grid.height}, {STEPS} steps, seed {args.seed})"

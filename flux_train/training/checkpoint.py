@@ -8,7 +8,8 @@ data), `precision` (flux_train.training.precision: FP8 delayed scaling's amax hi
 <dir>/step_00001234/ holds the DCP shards of the layout's {"model", "optim"}, `<part>_rank<r>.pt` per other part
 and rank, and `progress.pt`, which names those parts and is written last. A checkpoint written before the parts
 had names holds the loader's files and, with FP8 delayed scaling, the precision's state in progress.pt (key `fp8`):
-both are loaded as they are. A save goes to `step_XXXX.tmp/` and is renamed once every rank has finished,
+both are loaded as they are. A save goes to `step_XXXX.tmp/` (made there and marked with STAGING_MARK: only such
+leftovers are removed) and is renamed once every rank has finished,
 so a crash mid-save leaves the previous checkpoint the latest valid one; a save that fails (a full disk) fails
 on every rank alike. No RNG state is needed: every random stream is seeded from (seed, step, micro-batch)
 (flow.seeded_generator).
@@ -38,12 +39,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from flux_train.config import ModelConfig, checkpoint_dir
+from flux_train.config import ConfigError, ModelConfig, checkpoint_dir
 from flux_train.errors import StateMisfit, StorageError, UserError, raise_on_every_rank
 from flux_train.training.train_state import TrainState
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 PROGRESS = "progress.pt"
+# written first into every step_XXXXXXXX.tmp/ a save makes: what marks a leftover as one of ours, to be removed
+STAGING_MARK = ".flux-train-staging"
 # the parts a checkpoint holds by name: `progress` in progress.pt, `layout` in DCP shards, any other per rank
 OWN = ("progress", "layout")
 EARLIER_PARTS = ["loader"]  # the per-rank parts of a checkpoint whose progress.pt names none
@@ -62,6 +65,23 @@ class CheckpointError(UserError):
 def step_folder(root: Path, step: int) -> Path:
     """Where the checkpoint of `step` goes (STEP_DIR's form)."""
     return root / f"step_{step:08d}"
+
+
+def staging_of(final: Path) -> Path:
+    """Where the save of checkpoint `final` is written until it is complete."""
+    return final.with_name(final.name + ".tmp")
+
+
+def made_here(tmp: Path) -> bool:
+    """Whether `tmp`, a save's staging folder, is one a save made (its mark inside, or empty: made, then cut before
+    the mark): only those are removed; a folder of that name the user keeps there is not."""
+    return tmp.is_dir() and not tmp.is_symlink() and ((tmp / STAGING_MARK).is_file() or not any(tmp.iterdir()))
+
+
+def remove_staging(tmp: Path) -> None:
+    """A save's staging folder, if a save made it (made_here)."""
+    if made_here(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -220,10 +240,19 @@ def resolve_resume(cfg, world_size: int) -> Path | None:
     return None
 
 
-def remove_leftovers(root: Path) -> None:
-    """Temporary folders of saves that were interrupted (a crash, a full disk): as large as a checkpoint."""
-    for tmp in root.glob("step_*.tmp") if root.is_dir() else ():
-        shutil.rmtree(tmp, ignore_errors=True)
+def remove_leftovers(root: Path, keep: Path | None = None) -> None:
+    """The staging folders of saves that were interrupted (a crash, a full disk), as large as a checkpoint, but
+    `keep` (a cut final save, the sign that it is to be completed); a folder of that form no save made is refused."""
+    for tmp in sorted(root.glob("step_*.tmp")) if root.is_dir() else ():
+        if not STEP_DIR.match(tmp.name.removesuffix(".tmp")):  # no name a save uses
+            continue
+        if not made_here(tmp):
+            raise ConfigError(
+                f"{tmp} was not made by a save of flux-train (no {STAGING_MARK} in it), and a save of that step "
+                "would need its name: move it out of checkpoint.dir"
+            )
+        if tmp != keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write(obj, path: Path) -> None:
@@ -254,7 +283,7 @@ def _on_every_rank(what: Path, write: Callable[[], object], group=None) -> None:
     failed = next((e for e in errors if e), None)
     if failed:
         if dist.get_rank() == 0:
-            shutil.rmtree(what.with_name(what.name + ".tmp"), ignore_errors=True)  # give the space back
+            remove_staging(staging_of(what))  # give the space back
         raise_on_every_rank(StorageError(f"writing checkpoint {what} failed ({failed})"), dist.get_rank() == 0)
 
 
@@ -294,12 +323,13 @@ class Checkpointer:
         own = {name: part.state_dict() for name, part in parts.items() if name not in OWN}
         progress = parts["progress"].state_dict() | {"parts": sorted(own)}
         final = step_folder(self.root, step)
-        tmp = final.with_name(final.name + ".tmp")
+        tmp = staging_of(final)
 
         def start() -> None:
             if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
+                remove_staging(tmp)  # a cut save of this step (a finished run's final save being completed)
+                tmp.mkdir(parents=True)  # made here, not one that is there
+                (tmp / STAGING_MARK).write_text(f"a save of {final.name} in progress, or cut\n")
 
         def write_own() -> None:
             for name, state in own.items():

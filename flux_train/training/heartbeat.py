@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dataprep.staging import write_atomic
+
 INTERVAL_S = 2.0
 EXIT_HUNG = 6  # the run ended, but its process did not (a hung teardown)
 STDERR_FD = 2  # faulthandler writes to a descriptor: the process's stderr, also where sys.stderr is replaced
@@ -57,10 +59,8 @@ class Heartbeat:
     def _run(self, interval_s: float) -> None:
         while not self.stopped.is_set():
             step, phase = self.state
-            tmp = self.path.with_suffix(".tmp")
-            try:
-                tmp.write_text(f"{step} {phase} {self.host} {time.time():.1f}\n")
-                os.replace(tmp, self.path)  # readers never see half a line
+            try:  # replaced whole: readers never see half a line
+                write_atomic(self.path, f"{step} {phase} {self.host} {time.time():.1f}\n")
             except OSError:
                 pass  # a full or vanished run folder is reported elsewhere; the heartbeat is best effort
             self.stopped.wait(interval_s)

@@ -21,7 +21,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from flux_train.config import Config, ConfigError, add_overrides, checkpoint_dir, graph_blocker, load_config
+from dataprep.format import METADATA
+from flux_train.config import (
+    Config,
+    ConfigError,
+    add_overrides,
+    checkpoint_dir,
+    graph_blocker,
+    graphs_on,
+    load_config,
+)
 from flux_train.errors import Parser, UserError, reports_user_errors
 from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on
 from flux_train.model.flux import build_model, count_params
@@ -142,6 +151,8 @@ def check_inputs(cfg: Config, device: torch.device, world_size: int) -> DatasetF
         from flux_train.data.energon import dataset_files  # energon is needed only for real data
 
         files = dataset_files(cfg)  # its description of itself against the model, before anything is built
+    if graphs_on(cfg, device.type):
+        check_graph_latents(cfg, files)
     if device.type == "cpu":
         need = count_params(build_model(cfg.model)) * 16 * world_size  # weights, grads, AdamW, fp32
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -151,6 +162,26 @@ def check_inputs(cfg: Config, device: torch.device, world_size: int) -> DatasetF
                 f"{have / 2**30:.0f} GiB; use GPUs (train.device=cuda) or configs/debug.yaml"
             )
     return files
+
+
+def check_graph_latents(cfg: Config, files: DatasetFiles | None) -> None:
+    """The step graph is captured in the warm-up on latents of perf.warmup_latent_size and replays only batches of
+    that shape: data of another size would stop the run at its first step, after run_start."""
+    if files is None:
+        height = width = cfg.data.synthetic_latent_size
+        said = "data.synthetic_latent_size"
+    elif files.dims.info is not None:
+        height, width = files.dims.info.shape.height, files.dims.info.shape.width
+        said = f"{files.path / METADATA}"
+    else:  # a dataset that does not describe itself: the graph's own check names the first batch
+        return
+    side = cfg.perf.warmup_latent_size
+    if (height, width) != (side, side):
+        fix = f"set perf.warmup_latent_size={height}" if height == width else "the graph needs square latents"
+        raise ConfigError(
+            f"perf.cuda_graphs: the data's latents are {height}x{width} ({said}), the step graph is captured on "
+            f"{side}x{side} (perf.warmup_latent_size): {fix}, or perf.cuda_graphs=false"
+        )
 
 
 def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) -> float:

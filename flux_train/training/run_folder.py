@@ -1,7 +1,8 @@
 """The run folder (logging.out_dir, and checkpoint.dir wherever it is), claimed by the main rank before the
 run writes anything there: one run at a time (dataprep.folder_lock), no symbolic link written through, a finished
-run not started again, the checkpoint to resume from chosen once for every rank, and the records of a resumed
-run (mllog.log, metrics.jsonl) cut back to that checkpoint, so that each step and each eval is written once.
+run not started again (unless a kill cut its final checkpoint, which is then completed), the checkpoint to resume
+from chosen once for every rank, and the records of a resumed run (mllog.log, metrics.jsonl) cut back to that
+checkpoint, so that each step and each eval is written once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from dataprep.folder_lock import LOCK_FILE, FolderLock, FolderLockError, lock_folder
+from dataprep.staging import write_atomic
 from flux_train.config import Config, ConfigError, checkpoint_dir
 from flux_train.errors import StorageError, UserError, raise_on_every_rank
 from flux_train.masking import masked
@@ -26,6 +28,7 @@ from flux_train.training import checkpoint
 @dataclass
 class Claim:
     resume_from: Path | None
+    final_step: int | None = None  # a finished run's final checkpoint to complete (cut_final), not a run to go on
 
 
 HELD: list[FolderLock] = []  # the run folders' locks this process holds (main rank only), until release()
@@ -48,10 +51,10 @@ def claim(cfg: Config, rank: int, world_size: int) -> Claim:
         except UserError as exc:
             error = exc
     if world_size > 1:
-        shared = [mine.resume_from, error]
+        shared = [mine.resume_from, mine.final_step, error]
         dist.broadcast_object_list(shared, src=0)
         if rank != 0:
-            mine, error = Claim(shared[0]), shared[1]
+            mine, error = Claim(shared[0], shared[1]), shared[2]
     if error is not None:
         raise_on_every_rank(error, rank == 0)
     return mine
@@ -76,23 +79,25 @@ def _claim(cfg: Config, world_size: int) -> Claim:
     gbs = cfg.train.global_batch_size
     step = checkpoint.read_progress(resume_from).step if resume_from else None
     resume_samples = None if step is None else step * gbs
-    records = read_records(log)
-    if cfg.checkpoint.resume != "none" and finished(records, resume_samples, cfg.train.max_steps * gbs):
+    records = read_records(log) if cfg.checkpoint.resume != "none" else []
+    final_step = cut_final(cfg, records, ckpt)
+    if final_step is None and finished(records, resume_samples, cfg.train.max_steps * gbs):
         raise ConfigError(
             f"{out} holds a finished run (run_stop in {log.name}); choose a new logging.out_dir, or set "
             "checkpoint.resume=none to start over in this one"
         )
-    checkpoint.remove_leftovers(ckpt)
-    if step is not None:  # resuming
+    cut = None if final_step is None else checkpoint.staging_of(checkpoint.step_folder(ckpt, final_step))
+    checkpoint.remove_leftovers(ckpt, keep=cut)
+    if step is not None and final_step is None:  # resuming
         cut_back(log, _samples_of, step * gbs)
         cut_back(out / METRICS_FILE, _step_of, step)
-    elif records and cfg.checkpoint.resume == "auto":  # an earlier start that saved nothing: say what happens to it
+    elif records and final_step is None:  # an earlier start that saved nothing: say what happens to it
         print(
             f"flux-train: {out} holds a run stopped before its first checkpoint: starting over at step 0 "
             f"({log.name} and {METRICS_FILE} begin again)",
             flush=True,
         )
-    return Claim(resume_from)
+    return Claim(resume_from, final_step)
 
 
 def next_start(cfg: Config) -> str:
@@ -106,6 +111,18 @@ def next_start(cfg: Config) -> str:
     return (
         f"resumes from step {checkpoint.read_progress(found[-1]).step}" if found else "starts over: no checkpoint yet"
     )
+
+
+def cut_final(cfg: Config, records: list[dict], ckpt: Path) -> int | None:
+    """The step of a finished run's final checkpoint (checkpoint.final, saved after run_stop) that a kill cut: its
+    save's staging folder is there and the checkpoint is not. None where there is none to complete."""
+    stop = next((r for r in records if r.get("key") == C.RUN_STOP), None)
+    if stop is None or not cfg.checkpoint.final:
+        return None
+    step = samples_count(stop) // cfg.train.global_batch_size
+    final = checkpoint.step_folder(ckpt, step)
+    cut = checkpoint.made_here(checkpoint.staging_of(final)) and not (final / checkpoint.PROGRESS).is_file()
+    return step if cut else None
 
 
 def refuse_links(folder: Path, depth: int = 2) -> None:
@@ -166,10 +183,8 @@ def cut_back(path: Path, position: Callable[[str], int | None], limit: int) -> N
         if at > limit:
             break
         kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(kept))
     except OSError as exc:
         raise StorageError(f"writing {path} failed ({exc})") from None
 

@@ -34,7 +34,7 @@ from flux_train.config import (
     validate,
 )
 from flux_train.data.sources import build_data, synthetic_samples
-from flux_train.errors import StorageError, reports_user_errors
+from flux_train.errors import StorageError, UserError, report, reports_user_errors
 from flux_train.model import flow
 from flux_train.model.diffusers_adapter import load_pretrained
 from flux_train.model.flux import build_model, check_weights, count_params, flops_per_sample, reference_init
@@ -69,6 +69,7 @@ class Status(str, enum.Enum):
     ABORTED = "aborted"  # the step cap
     PREEMPTED = "preempted"  # Slurm's warning signal: checkpoint saved, the launcher requeues
     DIVERGED = "diverged"  # a non-finite loss or gradient norm
+    COMPLETED = "completed"  # a finished run's final checkpoint, which a kill had cut, written (no MLLOG event)
 
 
 class Boundary(NamedTuple):
@@ -110,10 +111,11 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(
             checkpoint_dir(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.checkpoint.every_steps
         )
-        # a resumed run continues the same MLLOG file and does not start a second run in it
+        # a resumed run continues the same MLLOG file and does not start a second run in it; completing a finished
+        # run's final checkpoint writes none
         self.mllog = MLLogger(
             self.out_dir / cfg.logging.mllog_file,
-            enabled=self.dist.is_main,
+            enabled=self.dist.is_main and self.folder.final_step is None,
             append=self.resume_from is not None,
             stdout=cfg.logging.mllog_stdout,
         )
@@ -298,6 +300,8 @@ class Trainer:
         self.warm_up(cfg.perf.warmup_iters)
         if self.resume_from is not None:
             self._resume()
+        if self.folder.final_step is not None:
+            return self._complete_final(self.folder.final_step)
         if not self.mllog.continued:
             self.mllog.end(C.INIT_STOP)
             self.mllog.start(C.RUN_START)
@@ -344,6 +348,18 @@ class Trainer:
         self.save_checkpoint()
         self.checkpointer.close()
 
+    def _complete_final(self, step: int) -> Status:
+        """The final checkpoint of a finished run that a kill cut (run_folder.cut_final): its steps since the
+        checkpoint resumed from trained again (the same data and draws, all seeded by step), then saved; mllog.log
+        and metrics.jsonl stay as the run left them, with its one run_stop."""
+        start = self.state.step
+        while self.state.step < step:
+            self.train_step()
+        path = self.save_checkpoint()
+        self.checkpointer.close()
+        self._say(f"completed the final checkpoint {path} of the finished run (steps {start + 1}-{step} again)")
+        return Status.COMPLETED
+
     def _train(self, metrics: Metrics) -> Status:
         """Blocks of steps, each between MLLOG's block_start and block_stop, until one ends the run."""
         window = LogWindow(self.device, self.dist.world_size)
@@ -366,6 +382,8 @@ class Trainer:
                 return Status.ABORTED
             if self.checkpointer.due(self.state.step):
                 self.save_checkpoint()
+            if self.state.step >= self.cfg.train.max_steps:  # the cap fell on an eval: run_stop follows its eval_stop
+                return Status.ABORTED
 
     def _block(self, metrics: Metrics, window: LogWindow) -> Boundary:
         """Steps until an eval is due, a stop, a non-finite step or the step cap; the metrics and checkpoints of
@@ -425,7 +443,9 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
         status = trainer.run()
     except StorageError as exc:  # a file the run must write could not be written: say where to resume from
         where = checkpoint.last_good(checkpoint_dir(cfg)) if cfg else "no checkpoint yet"
-        raise StorageError(f"{exc}; {where}") from None
+        return report(StorageError(f"{exc}; {where}"))
+    except UserError as exc:  # said now: a teardown that hangs (below) ends the process before main returns
+        return report(exc)
     except RuntimeError as exc:  # out of memory; a collective failed or timed out
         rank = dist.get_rank() if dist.is_initialized() else 0
         oom, stalled = out_of_memory_line(exc, rank), collective_failure_line(exc, cfg.logging.out_dir if cfg else ".")
@@ -444,7 +464,9 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
         # from here the heartbeat no longer speaks for this rank: the deadline does, if the teardown hangs
         deadline = None
         if cfg is not None and dist.is_initialized():
-            ended = f"status {status.value}" if status is not None else "stopped by an error"
+            error = sys.exc_info()[1]  # one on its way out: its traceback would come after a teardown that hangs
+            why = checkpoint.brief(error) if error else "an error"
+            ended = f"status {status.value}" if status is not None else f"stopped by {why}"
             deadline = ExitDeadline(cfg.parallel.exit_timeout_s, dist.get_rank(), ended)
         if trainer is not None:
             trainer.heartbeat.stop()
