@@ -386,6 +386,7 @@ def test_a_bad_input_is_one_line_naming_it_and_exit_2(command, argv, expected, t
 # commands that need a trained run or a log (checkpoint export, sample, results) are tried in test_sample.py and
 # test_results.py; bench's --json needs a GPU.
 NOPE = "/proc/nope"
+ENCODERS = ["--vae", "{tmp}/empty", "--t5", "{tmp}/empty", "--clip", "{tmp}/empty"]  # folders there are (empty)
 ODD_OUTPUTS = [
     ("plan-png-unwritable", PLAN, ["--config", "{root}/configs/systems/H200_01x08.yaml", "--png", NOPE], 74),
     ("plan-png-a-folder", PLAN, ["--config", "{root}/configs/systems/H200_01x08.yaml", "--png", "{tmp}/empty"], 2),
@@ -402,13 +403,13 @@ ODD_OUTPUTS = [
     (
         "dataprep-encode-out-unwritable",
         DATAPREP,
-        ["encode", "--split", "train", "--wds", "{tmp}/x.tar", "--out", NOPE, "--vae", "v", "--t5", "t", "--clip", "c"],
+        ["encode", "--split", "train", "--wds", "{tmp}/x.tar", "--out", NOPE, *ENCODERS],
         2,
     ),
     (
         "dataprep-empty-encodings-out-a-file",
         DATAPREP,
-        ["empty-encodings", "--out", "{tmp}/notes.txt", "--t5", "t", "--clip", "c"],
+        ["empty-encodings", "--out", "{tmp}/notes.txt", *ENCODERS[2:]],
         2,
     ),
 ]

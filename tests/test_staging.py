@@ -153,5 +153,5 @@ def test_a_lock_file_of_the_users_is_refused_not_overwritten(tmp_path):
     )
     assert (tmp_path / ".lock").read_text() == MINE
     (tmp_path / ".lock").write_text("")  # made, then cut before its holder's line: ours
-    lock_folder(tmp_path, "--out").close()
-    assert (tmp_path / ".lock").read_text().startswith("host ")
+    with lock_folder(tmp_path, "--out"):
+        assert (tmp_path / ".lock").read_text().startswith("host ")
