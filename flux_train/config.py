@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal, Optional
 
 import yaml
 
+from flux_train.container_engines import EngineName
 from flux_train.errors import UserError
 from flux_train.precision_recipes import RECIPES
 
@@ -417,7 +418,7 @@ class SlurmConfig:
 
 @dataclass
 class ContainerConfig:
-    runtime: Literal["none", "pyxis", "apptainer", "docker", "podman"] = setting(
+    runtime: EngineName = setting(
         "none", "the container each node's agent runs in; none: the submit host's Python on each node"
     )
     image: Optional[str] = setting(

@@ -22,6 +22,7 @@ from run_outputs import set_flags
 from flux_train.cli import time_minutes
 from flux_train.cluster import container
 from flux_train.cluster import submit as sub
+from flux_train.container_engines import ENGINES
 from flux_train.training import preemption
 
 SYSTEM = "configs/systems/cpu_02x02.yaml"
@@ -355,7 +356,8 @@ def test_each_node_checks_its_container_before_starting_it(capsys, tmp_path, run
         assert "srun" not in setup and "flux-train-check" not in script
         return
     words = shlex.split(setup[setup.index("srun ") :])
-    assert words[:5] == ["srun", "--ntasks-per-node=1", "bash", "-c", container.NODE_CHECK]
+    check = container.node_check_script(ENGINES[runtime].image_check)
+    assert words[:5] == ["srun", "--ntasks-per-node=1", "bash", "-c", check]
     assert words[5:8] == ["flux-train-check", runtime, image] and words[-3:] == ["||", "exit", "1"]
     assert words[8 : words.index("--")] == [os.getcwd(), f"{tmp_path}/sub", "/data"]  # every mount source
     trial = words[words.index("--") + 1 : -3]

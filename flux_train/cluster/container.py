@@ -1,6 +1,7 @@
-"""What puts each node's agent in its container: the engine's command line (pyxis, apptainer, docker, podman)
-with its mounts, GPU passthrough and ulimits, and a check that runs on every node before the container
-starts and names the node and the fix when something the container needs is missing there."""
+"""What puts each node's agent in its container: the config's container settings resolved and checked (mounts,
+ulimits, the variables passed in) for the engine `container.runtime` names (flux_train/container_engines.py), which
+makes the command line, and a check that runs on every node before the container starts and names the node and the
+fix when something the container needs is missing there."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import sys
 from dataclasses import dataclass
 
 from flux_train.cluster.launch import check_variable_names
-from flux_train.config import Config, ConfigError
+from flux_train.config import Config, ConfigError, ContainerConfig
+from flux_train.container_engines import ENGINES, Engine, Launch
 from flux_train.training.preemption import REQUEUE_FLAG_ENV
 
-# docker/podman start from the image's environment: what the agent needs from Slurm's and the site's
+# an engine that starts from the image's environment is given these names (Launch.env): what the agent needs from
+# Slurm's and the site's
 PASSTHROUGH = (
     "SLURM_JOB_ID",
     "SLURM_JOB_NUM_NODES",
@@ -35,7 +38,7 @@ PASSTHROUGH = (
     "TORCH_SYMM_MEM_DISABLE_MULTICAST",
     "NVSHMEM_DISABLE_NVLS",
 )
-# docker/podman --ulimit; container.ulimits adds to or replaces these ("" drops one). Unlimited locked
+# an engine's ulimits (Launch.ulimits); container.ulimits adds to or replaces these ("" drops one). Unlimited locked
 # memory is what pinned host buffers and RDMA need.
 DEFAULT_ULIMITS = {"memlock": "-1:-1"}
 ULIMIT_NAMES = (
@@ -111,79 +114,49 @@ def ulimits(cfg: Config) -> dict[str, str]:
     return {name: value for name, value in out.items() if value}
 
 
+def engine_of(c: ContainerConfig) -> Engine:
+    return ENGINES[c.runtime]
+
+
 def gpu_args(cfg: Config) -> list[str]:
     """GPU passthrough: container.gpu_args, or what env.profile needs with this engine."""
-    engine, profile = cfg.container.runtime, cfg.env.profile
     if cfg.container.gpu_args is not None:
         return list(cfg.container.gpu_args)
-    if engine == "apptainer":
-        return {"nvidia": ["--nv"], "amd": ["--rocm"]}.get(profile, [])
-    if profile == "nvidia":
-        return ["--gpus=all"] if engine == "docker" else ["--device=nvidia.com/gpu=all"]  # podman: CDI
-    if profile == "amd":
-        return ["--device=/dev/kfd", "--device=/dev/dri", "--group-add=video", "--security-opt=seccomp=unconfined"]
-    return []
+    return engine_of(cfg.container).gpu_args(cfg.env.profile)
 
 
 def command(cfg: Config) -> tuple[list[str], list[str]]:
-    """(srun options, argv before the Python command) that put each node's agent in the container."""
-    c = cfg.container
-    if c.runtime == "none":
+    """(srun options, argv before the Python command) that put each node's agent in its engine's container."""
+    c, engine = cfg.container, engine_of(cfg.container)
+    if not engine.needs_image:  # no container: the submit host's Python, none of the container settings read
         return [], [sys.executable]
     assert c.image is not None  # submit.resolve_config refuses a runtime without an image before this
-    if c.image.startswith("-"):  # docker, podman and apptainer take the image as a word of its own
+    if c.image.startswith("-"):  # the engines take the image as a word of its own
         raise ConfigError(f"container.image {c.image!r}: starts with '-', so {c.runtime} would read it as an option")
     check_variable_names(c.env, "container.env")
-    binds = mounts(cfg)
-    workdir = c.workdir or os.getcwd()
+    binds = tuple(m.spec() for m in mounts(cfg))
     try:
-        python = shlex.split(c.python)
+        python = tuple(shlex.split(c.python))
     except ValueError as exc:
         raise ConfigError(f"container.python {c.python!r}: {exc} (it is split like a shell command line)") from None
-    if c.runtime == "pyxis":
-        # only the srun step is containerised: the batch script and its requeue teardown stay on the host
-        return [
-            f"--container-image={c.image}",
-            "--container-mounts=" + ",".join(m.spec() for m in binds),
-            f"--container-workdir={workdir}",
-            *c.extra_args,
-        ], python
-    if c.runtime == "apptainer":
-        return [], [
-            "apptainer",
-            "exec",
-            *gpu_args(cfg),
-            "--bind=" + ",".join(m.spec() for m in binds),
-            f"--pwd={workdir}",
-            *c.extra_args,
-            c.image,
-            *python,
-        ]
-    infiniband = ["--device=/dev/infiniband", "--cap-add=IPC_LOCK"] if cfg.env.ib_hca else []
-    names = dict.fromkeys([*PASSTHROUGH, *c.env])
-    return [], [
-        c.runtime,
-        "run",
-        "--rm",
-        "--init",
-        "--network=host",
-        "--ipc=host",
-        *[f"--ulimit={name}={value}" for name, value in ulimits(cfg).items()],
-        *gpu_args(cfg),
-        *infiniband,
-        *[f"--volume={m.spec()}" for m in binds],
-        f"--workdir={workdir}",
-        *[f"--env={name}" for name in names],
-        *c.extra_args,
-        c.image,
-        *python,
-    ]
+    launch = Launch(
+        image=c.image,
+        binds=binds,
+        workdir=c.workdir or os.getcwd(),
+        python=python,
+        gpu_args=tuple(gpu_args(cfg)),
+        env=tuple(dict.fromkeys([*PASSTHROUGH, *c.env])),
+        ulimits=ulimits(cfg),
+        infiniband=bool(cfg.env.ib_hca),
+        extra_args=tuple(c.extra_args),
+    )
+    return engine.srun_options(launch), engine.argv(launch)
 
 
-# bash, run on each node before the agent's container starts; arguments: engine, image, mount sources...,
-# "--", then the trial command. Only "$@" and fixed text reach the shell: nothing from the config is parsed.
-# (No single quotes in it: the batch script carries it as one quoted word.)
-NODE_CHECK = r"""
+# bash, run on each node before the agent's container starts, around the engine's own lines (Engine.image_check);
+# arguments: engine, image, mount sources..., "--", then the trial command. Only "$@" and fixed text reach the shell:
+# nothing from the config is parsed. (No single quotes in it: the batch script carries it as one quoted word.)
+CHECK_ENGINE_AND_MOUNTS = r"""
 node=${SLURMD_NODENAME:-$(hostname)}
 fail() { echo "flux-train: error: node $node: $*" >&2; exit 1; }
 last() { tail -n 1 <<<"$1"; }
@@ -197,16 +170,8 @@ while [ "$1" != -- ]; do
   shift
 done
 shift
-if [ "$engine" = apptainer ]; then
-  [[ $image == *://* || -r $image ]] || fail "image $image is missing or unreadable here:" \
-    "copy it to every node (a shared filesystem), or fix container.image"
-else
-  out=$("$engine" version 2>&1) \
-    || fail "$engine does not work here ($(last "$out")): start its service, or choose another container.runtime"
-  "$engine" image inspect "$image" >/dev/null 2>&1 || fail "image $image is not in the $engine image store here:" \
-    "build or load it on every node ($engine load -i FILE), or fix container.image"
-fi
-out=$("$@" 2>&1) && exit 0
+"""
+TRIAL_START = r"""out=$("$@" 2>&1) && exit 0
 rlimits=(cpu fsize data stack core rss nproc nofile memlock as locks sigpending msgqueue nice rtprio rttime)
 if [[ $out =~ rlimit\ type\ ([0-9]+) ]]; then limit=${rlimits[${BASH_REMATCH[1]}]}
 elif [[ $out =~ RLIMIT_([A-Z]+) ]]; then limit=${BASH_REMATCH[1],,}
@@ -217,21 +182,26 @@ fail "the container does not start ($(last "$out")): check container.image, cont
 """
 
 
+def node_check_script(image_check: str) -> str:
+    """The bash of the per-node check with an engine's own lines."""
+    return CHECK_ENGINE_AND_MOUNTS + image_check + TRIAL_START
+
+
 def node_check(cfg: Config) -> list[str] | None:
-    """argv of the per-node check (bash NODE_CHECK: the engine, the image, the mount sources, then a trial start
-    that imports the project with the container's Python); None where there is nothing to check here (no
-    container, or pyxis, which reports its own errors)."""
-    c = cfg.container
-    if c.runtime in ("none", "pyxis"):
+    """argv of the per-node check (bash: the engine, the mount sources, the engine's own check of the image, then a
+    trial start that imports the project with the container's Python); None where the engine has none (no
+    container, or an engine that reports its own errors)."""
+    c, engine = cfg.container, engine_of(cfg.container)
+    if engine.image_check is None:
         return None
     _, argv = command(cfg)
     assert c.image is not None  # submit.resolve_config refuses a runtime without an image
     return [
         "bash",
         "-c",
-        NODE_CHECK,
+        node_check_script(engine.image_check),
         "flux-train-check",
-        c.runtime,
+        engine.name,
         c.image,
         *dict.fromkeys(m.src for m in mounts(cfg)),
         "--",

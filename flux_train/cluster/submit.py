@@ -2,12 +2,13 @@
 
     python -m flux_train.submit --config configs/systems/H200_08x08.yaml [--nodes 8] [--set section.key=value]
         [--gpus-per-node 8] [--partition P] [--account A] [--qos Q] [--time 4:00:00] [--job-name NAME]
-        [--exclude HOSTS] [--runtime pyxis|apptainer|docker|podman|none] [--container-image IMAGE]
+        [--exclude HOSTS] [--runtime RUNTIME] [--container-image IMAGE]
         [--mounts SRC[:DST[:ro]],...] [--runs N] [--skip-preflight] [--dry-run | --local]
 
 Every flag overrides the system config's value. submitit submits one Slurm task per node; srun starts it
-in the container (flux_train.cluster.container: pyxis flags on the srun line; apptainer/docker/podman as the command
-srun runs, after a step in which every node checks its engine, image and mounts), and there
+in the container (flux_train.cluster.container, with the engine container.runtime names in
+flux_train/container_engines.py: options on the srun line, or the command srun runs after a step in which every
+node checks its engine, image and mounts), and there
 flux_train.cluster.launch.NodeAgent starts the node's workers. The resolved config travels in the job's
 pickle. A Slurm run starts with the pre-flight checks (flux_train.training.preflight) unless --skip-preflight.
 
@@ -50,6 +51,7 @@ from flux_train.config import (
     mesh_shape,
     validate,
 )
+from flux_train.container_engines import ENGINES
 from flux_train.errors import UserError, reports_user_errors
 from flux_train.masking import mask_text, masked
 from flux_train.private_apis import sbatch_script
@@ -211,14 +213,16 @@ def resolve_config(args: argparse.Namespace) -> Config:
             f"slurm.signal_delay_s={s.signal_delay_s} must be between 0 and the time limit "
             f"({s.time_min} min): it is how long before the limit the job starts its checkpoint"
         )
-    if c.runtime != "none" and not c.image:
+    engine = container.engine_of(c)
+    if engine.needs_image and not c.image:
         raise SubmitError(
             f"container runtime {c.runtime} needs an image: pass --container-image or set "
             f"container.image in {args.config}"
         )
-    if args.local and c.runtime == "pyxis":
+    if args.local and engine.srun_plugin:
+        *others, last = [name for name, e in ENGINES.items() if not e.srun_plugin]
         raise SubmitError(
-            "--local cannot use pyxis (it is an srun plugin): add --runtime none, apptainer, docker or podman"
+            f"--local cannot use {engine.name} (it is an srun plugin): add --runtime {', '.join(others)} or {last}"
         )
     # what cannot go in the batch script or the environment, a malformed mount, ulimit or container.python stops
     # here, before anything runs
@@ -238,8 +242,7 @@ def local_image_missing(c: ContainerConfig) -> bool:
     """An image named by a path (pyxis' squashfs, apptainer's .sif) that this host does not have: the nodes, which
     usually share the submit host's filesystems, will not have it either."""
     image = c.image or ""
-    is_path = image.startswith(("/", "./", "../")) or image.endswith((".sqsh", ".sif"))
-    return c.runtime in ("pyxis", "apptainer") and is_path and not Path(image).exists()
+    return container.engine_of(c).image_is_path(image) and not Path(image).exists()
 
 
 def job_summary(cfg: Config, runs: int) -> list[str]:
@@ -248,7 +251,11 @@ def job_summary(cfg: Config, runs: int) -> list[str]:
     world = s.nodes * s.gpus_per_node
     ckpt = cfg.checkpoint
     saves = f"every {ckpt.every_steps} steps, the last {ckpt.keep} kept" if ckpt.every_steps else "none on a cadence"
-    image = f"{c.runtime}, image {c.image}" if c.runtime != "none" else "none (the submit host's Python on each node)"
+    image = (
+        f"{c.runtime}, image {c.image}"
+        if container.engine_of(c).needs_image
+        else f"{c.runtime} (the submit host's Python on each node)"
+    )
     return [
         f"{s.nodes} node(s) x {s.gpus_per_node} GPUs = {world} workers, {cfg.parallel.strategy}, compute "
         f"{t.compute_dtype}, FP8 {cfg.perf.fp8}",
