@@ -239,8 +239,8 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
 
 def local_image_missing(c: ContainerConfig) -> bool:
-    """An image named by a path (pyxis' squashfs, apptainer's .sif) that this host does not have: the nodes, which
-    usually share the submit host's filesystems, will not have it either."""
+    """An image named by a path (Engine.image_is_path: a squashfs, a .sif) that this host does not have: the nodes,
+    which usually share the submit host's filesystems, will not have it either."""
     image = c.image or ""
     return container.engine_of(c).image_is_path(image) and not Path(image).exists()
 
