@@ -26,6 +26,8 @@ def test_the_engine_table_is_the_configs_runtimes():
     (runtime,) = [a for a in submit_parser()._actions if a.dest == "runtime"]
     assert tuple(runtime.choices or ()) == tuple(ENGINES)
     assert all(engine.name == name for name, engine in ENGINES.items())
+    # the node check reads as one quoted word in the batch script: no single quotes in it
+    assert not [name for name, engine in ENGINES.items() if "'" in (engine.image_check or "")]
 
 
 def engine_names(path: Path) -> list[str]:

@@ -115,6 +115,7 @@ def ulimits(cfg: Config) -> dict[str, str]:
 
 
 def engine_of(c: ContainerConfig) -> Engine:
+    """The engine container.runtime names: everything about it is asked of it."""
     return ENGINES[c.runtime]
 
 
