@@ -1,6 +1,9 @@
-"""The command lines: every command's flags, one parser function per command. Nothing here imports torch or the
-module that owns a command, so the command modules (flux_train/train.py, ...) answer `--help`, a bad flag and a
-config that does not load at once (answer_early); the owner's main then parses the same flags with the same parser."""
+"""The command lines: every command's flags, one parser function per command: the commands users type, then the
+internal ones the batch script, the submitter and the agent run (the per-node agent, the pre-flight, the preemption
+options). Nothing here imports torch or the module that owns a command, so the command modules (flux_train/train.py,
+...) answer `--help`, a bad flag and a config that does not load at once (answer_early); the owner's main then
+parses the same flags with the same parser. (`python -m dataprep`'s flags are dataprep/cli.py's: dataprep imports
+nothing of flux_train.)"""
 
 from __future__ import annotations
 
@@ -337,4 +340,41 @@ def reduce_precision_parser() -> Parser:
     p.add_argument("--batch", type=int, default=1, help="samples per rank's micro-batch")
     p.add_argument("--keep", type=int, default=1 << 18, help="elements measured per tensor (at most)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's weights and the micro-batches")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# the internal commands: run by slurm/flux.sbatch, the submitter and the agent rather than typed
+
+
+def launch_parser() -> Parser:
+    p = Parser(
+        prog="python -m flux_train.cluster.launch",
+        description="Per-node agent: one per node (one Slurm task per node), inside the container when there is one.",
+    )
+    p.add_argument("--config", required=True, help="YAML config (a system file from configs/systems/)")
+    add_overrides(p)
+    p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")
+    return p
+
+
+def preflight_parser() -> Parser:
+    p = Parser(
+        prog="python -m flux_train.training.preflight",
+        description="Pre-flight: find a bad node before the clock starts (`preflight.enabled`, before MLLOG "
+        "init_start).",
+    )
+    p.add_argument("--config", default="configs/debug.yaml", help="the run's config (what to check)")
+    add_overrides(p)
+    return p
+
+
+def preemption_parser() -> Parser:
+    p = Parser(
+        prog="python -m flux_train.training.preemption",
+        description="Print the sbatch options of the preemption contract for a config "
+        "(for `sbatch $(...) slurm/flux.sbatch --config CONFIG`).",
+    )
+    p.add_argument("--config", required=True, help="the run's config (its slurm.signal_delay_s)")
+    add_overrides(p)
     return p

@@ -22,16 +22,16 @@ import torch
 import torch.distributed as dist
 
 from dataprep.format import METADATA
+from flux_train.cli import preflight_parser
 from flux_train.config import (
     Config,
     ConfigError,
-    add_overrides,
     checkpoint_dir,
     graph_blocker,
     graphs_on,
     load_config,
 )
-from flux_train.errors import Parser, UserError, reports_user_errors
+from flux_train.errors import UserError, reports_user_errors
 from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on
 from flux_train.model.flux import build_model, count_params
 from flux_train.training.checkpoint_size import checkpoint_disk_gb
@@ -220,10 +220,7 @@ def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) 
 def main(argv=None) -> int:
     from flux_train.training.distributed import init_distributed, shutdown
 
-    ap = Parser(prog="python -m flux_train.training.preflight", description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--config", default="configs/debug.yaml", help="the run's config (what to check)")
-    add_overrides(ap)
-    args = ap.parse_args(argv)
+    args = preflight_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     try:
         d = init_distributed(cfg.parallel, cfg.train.device)
