@@ -101,6 +101,6 @@ class ImageEncoder:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, 3, 256, 256] in [-1, 1] -> posterior mean, logvar [B, 16, 32, 32], bf16 on the CPU."""
-        # typed as either return_dict's result; by default (True) an AutoencoderKLOutput
-        posterior = self.vae.encode(images.to(self.device, self.dtype)).latent_dist  # pyright: ignore[reportAttributeAccessIssue]
+        # encode is typed as either return_dict's result; by default (True) an AutoencoderKLOutput
+        posterior = self.vae.encode(images.to(self.device, self.dtype)).latent_dist  # pyright: ignore[reportAttributeAccessIssue] - above
         return posterior.mean.to(torch.bfloat16).cpu(), posterior.logvar.to(torch.bfloat16).cpu()
