@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sized
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ def open_input(path: Path, val: bool):
         ) from None
     if isinstance(ds, DatasetDict):
         raise DataprepError(
-            f"{path}: a DatasetDict with splits {list(ds)}; pass one split's folder, e.g. {path / next(iter(ds))}"
+            f"{path}: a DatasetDict with splits {list(ds)}; pass one split's folder, e.g. {path / str(next(iter(ds)))}"
         )
     assert isinstance(ds, Dataset)
     need = ["__key__", *COLUMNS] + (["timestep"] if val else [])
@@ -203,7 +204,7 @@ def _run_pool(jobs: list[ShardJob], workers: int, bar) -> dict[str, list[ShardRe
 class Split:
     name: str
     input: Path
-    ds: object
+    ds: Sized  # a datasets.Dataset (datasets: an optional extra)
     writer: SplitWriter
     first_key: int
     done: list  # records of shards finished by an earlier run

@@ -54,14 +54,15 @@ class WdsInput:
             with tarfile.open(tar, "r|*") as stream:
                 key, parts = None, {}
                 for member in stream:
-                    if not member.isfile():
+                    data = stream.extractfile(member) if member.isfile() else None
+                    if data is None:
                         continue
                     stem, _, ext = member.name.partition(".")  # webdataset: the key ends at the first dot
                     if stem != key and key is not None:
                         yield key, parts
                         parts = {}
                     key = stem
-                    parts[ext.lower()] = stream.extractfile(member).read()
+                    parts[ext.lower()] = data.read()
                 if key is not None:
                     yield key, parts
         except (tarfile.TarError, OSError) as exc:
@@ -85,7 +86,8 @@ class WdsInput:
                 problem = None if image is not None else f"no image member ({'/'.join(IMAGE_EXTS)})"
                 if "txt" not in parts:
                     problem = problem or "no txt caption member"
-                yield Raw(row, key, f"{tar.name}:{key}", lambda data=image: data, parts.get("txt"), problem)
+                # no image member: never read, the row has its problem (b"" keeps the reader's type)
+                yield Raw(row, key, f"{tar.name}:{key}", lambda data=image or b"": data, parts.get("txt"), problem)
                 row += 1
 
 
@@ -120,7 +122,7 @@ class FolderInput:
 
 def _prepare(raw: Raw, resize) -> tuple[Raw, Optional[torch.Tensor], Optional[str], Optional[str]]:
     """Decode and resize one input: (raw, image tensor, caption, problem)."""
-    if raw.problem:
+    if raw.problem or raw.caption is None:  # a row without a caption has its problem
         return raw, None, None, raw.problem
     try:
         caption = raw.caption.decode("utf-8").strip()

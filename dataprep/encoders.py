@@ -86,15 +86,21 @@ class ImageEncoder:
     def __init__(self, vae: Path, device: torch.device, dtype: torch.dtype):
         from diffusers import AutoencoderKL
 
+        # diffusers decorates ModelMixin.to with functools.wraps(nn.Module.to): typeshed's _Wrapped binds no self
         self.vae = _load(
             "vae",
             vae,
-            lambda p: AutoencoderKL.from_pretrained(p, local_files_only=True, torch_dtype=dtype).to(device).eval(),
+            lambda p: (
+                AutoencoderKL.from_pretrained(p, local_files_only=True, torch_dtype=dtype)
+                .to(device)  # pyright: ignore[reportArgumentType] - wraps, above
+                .eval()
+            ),
         )
         self.device, self.dtype = device, dtype
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, 3, 256, 256] in [-1, 1] -> posterior mean, logvar [B, 16, 32, 32], bf16 on the CPU."""
-        posterior = self.vae.encode(images.to(self.device, self.dtype)).latent_dist
+        # encode is typed as either return_dict's result; by default (True) an AutoencoderKLOutput
+        posterior = self.vae.encode(images.to(self.device, self.dtype)).latent_dist  # pyright: ignore[reportAttributeAccessIssue] - above
         return posterior.mean.to(torch.bfloat16).cpu(), posterior.logvar.to(torch.bfloat16).cpu()

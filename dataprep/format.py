@@ -110,7 +110,7 @@ def decode_bf16(raw: bytes) -> torch.Tensor:
 
 def tar_sample(index: int, source_key: str, parts: dict[str, bytes], timestep: Optional[int]) -> dict:
     """The members of one sample for webdataset's TarWriter; json bytes as NVIDIA's writer makes them."""
-    meta = {"key": source_key}
+    meta: dict[str, str | int] = {"key": source_key}
     if timestep is not None:
         meta["timestep"] = timestep
     sample = {"__key__": key_name(index), "json": json.dumps(meta).encode()}

@@ -59,8 +59,9 @@ def first_sample_shape(root: Path, tar: str) -> Shape:
             if key is not None and stem != key:
                 break
             key = stem
-            if ext in ("t5.bytes", "mean.bytes"):
-                parts[ext.split(".")[0]] = stream.extractfile(member).read()
+            data = stream.extractfile(member) if ext in ("t5.bytes", "mean.bytes") else None
+            if data is not None:  # None: not a regular file
+                parts[ext.split(".")[0]] = data.read()
     if len(parts) != 2:
         raise DataprepError(
             f"{root / tar}: the first sample ({key}) has no t5.bytes or mean.bytes member; check the "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from tqdm import tqdm
 
@@ -28,7 +29,7 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def summary(title: str, rows: list[tuple[str, object]]) -> None:
+def summary(title: str, rows: Sequence[tuple[str, object]]) -> None:
     width = max(len(k) for k, _ in rows)
     print(f"== {title}")
     for key, value in rows:

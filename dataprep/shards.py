@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-import webdataset as wds
+from webdataset.writer import TarWriter  # webdataset's stubs do not re-export it from the package
 
 from dataprep import digests
 from dataprep.format import DataprepError, DataprepStorageError
@@ -132,7 +132,8 @@ class SplitWriter:
             # "x": created here, never a file that is there; 4 MiB buffers: tar writes 10 KiB records, batch them
             with open(tmp, "xb", buffering=1 << 22) as f:
                 digester = digests.Digester(f)
-                writer = wds.TarWriter(digester, encoder=False, mtime=0)  # mtime 0: byte-identical reruns
+                # mtime 0: byte-identical reruns; tarfile needs only write() of the file object, as Digester has
+                writer = TarWriter(digester, encoder=False, mtime=0)  # pyright: ignore[reportArgumentType] - above
                 try:
                     for sample in samples:
                         size += writer.write(sample)

@@ -83,7 +83,8 @@ class CheckEncoder(DefaultTaskEncoder):
 
     def __init__(self, checker: SampleChecker):
         super().__init__()
-        self.cookers = [Cooker(checker)]
+        # energon's Cooker bounds the cook's result to Sample, yet runs one that gives a CrudeSample (a dict) as well
+        self.cookers = [Cooker(checker)]  # pyright: ignore[reportArgumentType] - the Sample bound, above
 
 
 @dataclass
@@ -178,7 +179,7 @@ def check_samples(
         root,
         split_part=split,
         worker_config=worker_config,
-        batch_size=None,
+        batch_size=None,  # pyright: ignore[reportArgumentType] - typed int; build_batch takes None: no batching
         task_encoder=CheckEncoder(SampleChecker(shape, split == "val")),
     )
     keys, timesteps = set(), Counter()

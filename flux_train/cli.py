@@ -1,6 +1,9 @@
-"""The command lines: every command's flags, one parser function per command. Nothing here imports torch or the
-module that owns a command, so the command modules (flux_train/train.py, ...) answer `--help`, a bad flag and a
-config that does not load at once (answer_early); the owner's main then parses the same flags with the same parser."""
+"""The command lines: every command's flags, one parser function per command: the commands users type, then the
+internal ones the batch script, the submitter and the agent run (the per-node agent, the pre-flight, the preemption
+options). Nothing here imports torch or the module that owns a command, so the command modules (flux_train/train.py,
+...) answer `--help`, a bad flag and a config that does not load at once (answer_early); the owner's main then
+parses the same flags with the same parser. (`python -m dataprep`'s flags are dataprep/cli.py's: dataprep imports
+nothing of flux_train.)"""
 
 from __future__ import annotations
 
@@ -46,14 +49,22 @@ def answer_early(parser: Parser) -> None:
             raise SystemExit(report(exc)) from None
 
 
-def train_parser() -> Parser:
-    p = Parser(
-        prog="python -m flux_train.train",
-        description="The training loop: `python -m flux_train.train --config configs/debug.yaml "
-        "[--set section.key=value ...]`.",
-    )
-    p.add_argument("--config", default="configs/debug.yaml", help="YAML config (default: configs/debug.yaml)")
+def config_parser(prog: str, description: str, **config) -> Parser:
+    """The parser of a command that reads a config: `--config` (its argparse options `config`), `--set` and
+    `--help-config`, the command's own flags to follow."""
+    p = Parser(prog=prog, description=description)
+    p.add_argument("--config", **config)
     add_overrides(p)
+    return p
+
+
+def train_parser() -> Parser:
+    p = config_parser(
+        "python -m flux_train.train",
+        "The training loop: `python -m flux_train.train --config configs/debug.yaml [--set section.key=value ...]`.",
+        default="configs/debug.yaml",
+        help="YAML config (default: configs/debug.yaml)",
+    )
     p.add_argument(
         "--print-config",
         action="store_true",
@@ -85,13 +96,12 @@ def time_minutes(text: str) -> int:
 
 def submit_parser() -> Parser:
     systems = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "systems").glob("*.yaml")))
-    p = Parser(
-        prog="python -m flux_train.submit",
-        description="`python -m flux_train.submit`: one command from a login node puts a multi-node training job on "
-        "Slurm.",
+    p = config_parser(
+        "python -m flux_train.submit",
+        "`python -m flux_train.submit`: one command from a login node puts a multi-node training job on Slurm.",
+        required=True,
+        help=f"system config, e.g. configs/systems/<name>.yaml ({systems})",
     )
-    p.add_argument("--config", required=True, help=f"system config, e.g. configs/systems/<name>.yaml ({systems})")
-    add_overrides(p)
     p.add_argument("--nodes", type=positive_int, help="slurm.nodes")
     p.add_argument("--gpus-per-node", type=positive_int, help="slurm.gpus_per_node (workers per node)")
     p.add_argument("--partition", help="slurm.partition")
@@ -130,16 +140,12 @@ def submit_parser() -> Parser:
 
 
 def bench_parser() -> Parser:
-    p = Parser(
-        prog="python -m flux_train.bench",
-        description="Throughput benchmark against stock diffusers, measured side by side on the same GPUs.",
-    )
-    p.add_argument(
-        "--config",
+    p = config_parser(
+        "python -m flux_train.bench",
+        "Throughput benchmark against stock diffusers, measured side by side on the same GPUs.",
         default="configs/bench.yaml",
         help="the run config whose model and perf settings are measured (default: configs/bench.yaml)",
     )
-    add_overrides(p)
     p.add_argument(
         "--mode",
         choices=tuple(BENCH_ROWS),
@@ -204,13 +210,13 @@ def node_counts(text: str) -> range:
 
 
 def plan_parser() -> Parser:
-    p = Parser(
-        prog="python -m flux_train.plan",
-        description="What a run will take before it is spent: memory per GPU and whether it fits, step time, "
-        "time-to-train from the MLPerf reference convergence points, and checkpoint disk, from measured figures.",
+    p = config_parser(
+        "python -m flux_train.plan",
+        "What a run will take before it is spent: memory per GPU and whether it fits, step time, time-to-train from "
+        "the MLPerf reference convergence points, and checkpoint disk, from measured figures.",
+        required=True,
+        help="the run's config, e.g. configs/systems/H200_01x08.yaml",
     )
-    p.add_argument("--config", required=True, help="the run's config, e.g. configs/systems/H200_01x08.yaml")
-    add_overrides(p)
     p.add_argument(
         "--nodes", nargs="+", type=node_counts, help="node counts: N, several, or a range A-B (default slurm.nodes)"
     )
@@ -338,3 +344,37 @@ def reduce_precision_parser() -> Parser:
     p.add_argument("--keep", type=int, default=1 << 18, help="elements measured per tensor (at most)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's weights and the micro-batches")
     return p
+
+
+# ---------------------------------------------------------------------------------------------
+# the internal commands: run by slurm/flux.sbatch, the submitter and the agent rather than typed
+
+
+def launch_parser() -> Parser:
+    p = config_parser(
+        "python -m flux_train.cluster.launch",
+        "Per-node agent: one per node (one Slurm task per node), inside the container when there is one.",
+        required=True,
+        help="YAML config (a system file from configs/systems/)",
+    )
+    p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")
+    return p
+
+
+def preflight_parser() -> Parser:
+    return config_parser(
+        "python -m flux_train.training.preflight",
+        "Pre-flight: find a bad node before the clock starts (`preflight.enabled`, before MLLOG init_start).",
+        default="configs/debug.yaml",
+        help="the run's config (what to check)",
+    )
+
+
+def preemption_parser() -> Parser:
+    return config_parser(
+        "python -m flux_train.training.preemption",
+        "Print the sbatch options of the preemption contract for a config (for `sbatch $(...) slurm/flux.sbatch "
+        "--config CONFIG`).",
+        required=True,
+        help="the run's config (its slurm.signal_delay_s)",
+    )

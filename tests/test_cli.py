@@ -21,7 +21,7 @@ from flux_train.cluster import launch, submit
 from flux_train.config import keys
 from flux_train.outputs import results
 from flux_train.tools import bench, export, plan, reduce_precision, sample
-from flux_train.training import train
+from flux_train.training import preemption, preflight, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,9 +72,17 @@ def undocumented(main, argv, monkeypatch, capsys) -> list[str]:
     return missing
 
 
-@pytest.mark.parametrize("command", sorted(COMMANDS))
+# the internal commands, whose flags flux_train/cli.py holds too: run by slurm/flux.sbatch, the submitter and the agent
+INTERNAL = {
+    "python -m flux_train.cluster.launch": launch.main,
+    "python -m flux_train.training.preflight": preflight.main,
+    "python -m flux_train.training.preemption": preemption.main,
+}
+
+
+@pytest.mark.parametrize("command", sorted({**COMMANDS, **INTERNAL}))
 def test_every_flag_of_every_subcommand_has_help(command, monkeypatch, capsys):
-    assert undocumented(COMMANDS[command], [], monkeypatch, capsys) == []
+    assert undocumented({**COMMANDS, **INTERNAL}[command], [], monkeypatch, capsys) == []
 
 
 def test_the_help_walk_finds_a_flag_without_help(monkeypatch, capsys):

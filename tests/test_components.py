@@ -60,6 +60,7 @@ def eval_parts(one_rank, tmp_path):
         every=25,
         target=0.0,
         after_eval=lambda step: None,
+        after_pass=lambda: None,
     )
     yield cfg, parts
     heartbeat.stop()
@@ -74,7 +75,8 @@ def test_an_eval_is_due_every_interval_and_never_when_off(eval_parts):
 
 def test_a_pass_is_seeded_by_the_eval_index_and_counts_every_val_sample_once(eval_parts):
     _, parts = eval_parts
-    evaluator = Evaluator(**parts)
+    passes = []
+    evaluator = Evaluator(**parts | {"after_pass": lambda: passes.append(1)})
     parts["model"].train()
     first = evaluator.loss(0)
     assert first.count == VAL_SAMPLES  # the padded slot of the last batch is not counted
@@ -84,6 +86,7 @@ def test_a_pass_is_seeded_by_the_eval_index_and_counts_every_val_sample_once(eva
     parts["model"].eval()
     evaluator.loss(0)
     assert not parts["model"].training
+    assert len(passes) == 4  # the layout's after_eval after every pass (FSDP reshards)
 
 
 def test_the_loss_of_each_timestep_averages_to_the_val_loss_weighted_by_its_samples(eval_parts):
@@ -106,7 +109,8 @@ def test_an_eval_logs_its_events_and_row_then_calls_after_eval_unless_it_reached
 
     state = replace(TrainState.of_run(cfg, 1), step=25)
     missed = Evaluator(**parts | {"target": 0.0, "after_eval": after})
-    assert missed.run(state, rows.append) is False
+    done = missed.run(state, rows.append)
+    assert done.reached is False and done.seconds > 0
     assert called == [(25, 1, ["eval_start", "eval_accuracy", "eval_stop"])] and state.eval_count == 1
     samples = 25 * cfg.train.global_batch_size
     (row,) = rows
@@ -121,7 +125,7 @@ def test_an_eval_logs_its_events_and_row_then_calls_after_eval_unless_it_reached
     # one that reached it ends the run: the trainer calls after_eval after run_stop, not the Evaluator
     state.step = 50
     reached = Evaluator(**parts | {"target": float("inf"), "after_eval": after})
-    assert reached.run(state, rows.append) is True
+    assert reached.run(state, rows.append).reached is True
     assert len(called) == 1 and rows[-1]["step"] == 50 and state.eval_count == 2
 
 

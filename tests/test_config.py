@@ -6,7 +6,7 @@ import pytest
 from flux_train.config import ConfigError, eval_interval_steps, graphs_on, keys, load_config, validate
 
 CONFIG_DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
-GENERATED = "<!-- generated from flux_train/config.py: everything below -->\n"
+GENERATED = "<!-- generated from the fields of flux_train/config/: everything below -->\n"
 
 
 def write(tmp_path, name, text):
@@ -208,7 +208,7 @@ def test_config_md_shows_every_key_as_its_field_declares_it():
         CONFIG_DOC.write_text(intro + marker + key_tables())
         generated = key_tables()
     assert generated == key_tables(), (
-        "docs/config.md differs from flux_train/config.py (FLUX_DOCS_REGENERATE=1 rewrites it)"
+        "docs/config.md differs from the fields of flux_train/config/ (FLUX_DOCS_REGENERATE=1 rewrites it)"
     )
 
 

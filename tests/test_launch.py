@@ -205,43 +205,44 @@ def test_two_signals_within_a_millisecond_never_hang_or_act_twice(signum):
         agent.wait()
 
 
+def endless_run(
+    tmp_path: Path, module: str, flags: list[str], sets: dict, env: dict | None = None, stderr=subprocess.STDOUT
+) -> subprocess.Popen:
+    """`python -m MODULE --local --config SYSTEM FLAGS` (the agent, or submit) with two workers training until
+    stopped, no evals, into tmp_path/out, `sets` on top; every process of it has FLUX_TEST_MARKER=<tmp_path> in its
+    environment."""
+    sets = {
+        "train.global_batch_size": 4,
+        "train.max_steps": 100000,
+        "eval.enabled": "false",
+        "logging.out_dir": tmp_path / "out",
+        **sets,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", module, "--local", "--config", SYSTEM, *flags, *set_flags(sets)],
+        cwd=ROOT,
+        env={**os.environ, "FLUX_TEST_MARKER": str(tmp_path), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+
+
+def wait_for_run_start(out: Path, timeout: float = 120) -> None:
+    """Until MLLOG's run_start is in `out` (the workers train) or `timeout` seconds have passed."""
+    mllog = out / "mllog.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (mllog.is_file() and "run_start" in mllog.read_text()):
+        time.sleep(0.3)
+
+
 @pytest.mark.slow
 def test_two_sigterms_stop_a_running_agent_once(tmp_path):
     """Slurm's SIGTERM (scancel, the time limit), twice at once, to an agent with two training workers: it
     passes it on once, its workers stop, and it exits with 143 (no traceback, no worker left behind)."""
-    marker = str(tmp_path)
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flux_train.cluster.launch",
-            "--local",
-            "--config",
-            SYSTEM,
-            "--set",
-            "slurm.nodes=1",
-            "--set",
-            "train.global_batch_size=4",
-            "--set",
-            "train.max_steps=100000",
-            "--set",
-            "eval.enabled=false",
-            "--set",
-            f"logging.out_dir={tmp_path}/out",
-            "--set",
-            f"env.local_dir={tmp_path}",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "FLUX_TEST_MARKER": marker},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    agent = endless_run(tmp_path, "flux_train.cluster.launch", [], {"slurm.nodes": 1, "env.local_dir": tmp_path})
     try:
-        mllog = tmp_path / "out" / "mllog.log"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (mllog.is_file() and "run_start" in mllog.read_text()):
-            time.sleep(0.3)
+        wait_for_run_start(tmp_path / "out")
         agent.send_signal(signal.SIGTERM)
         agent.send_signal(signal.SIGTERM)
         out, _ = agent.communicate(timeout=60)
@@ -250,45 +251,15 @@ def test_two_sigterms_stop_a_running_agent_once(tmp_path):
     assert agent.returncode == 128 + signal.SIGTERM, out
     assert out.count("got SIGTERM (the job is ending): passing it to the workers") == 1, out
     assert "workers stopped on SIGTERM" in out and "Traceback" not in out, out
-    assert pid_with_env(FLUX_TEST_MARKER=marker) is None
+    assert pid_with_env(FLUX_TEST_MARKER=str(tmp_path)) is None
 
 
 @pytest.mark.slow
 def test_local_run_killed_worker_ends_it_naming_the_rank(tmp_path):
-    marker = str(tmp_path)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flux_train.cluster.submit",
-            "--local",
-            "--config",
-            SYSTEM,
-            "--nodes",
-            "1",
-            "--set",
-            "train.global_batch_size=4",
-            "--set",
-            "train.max_steps=100000",
-            "--set",
-            "eval.enabled=false",
-            "--set",
-            f"logging.out_dir={tmp_path}/out",
-            "--set",
-            f"slurm.folder={tmp_path}/sub/%j",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "FLUX_TEST_MARKER": marker},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = local_run(tmp_path, {}, {}, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        mllog = tmp_path / "out" / "mllog.log"
-        while time.monotonic() < deadline and not (mllog.is_file() and "run_start" in mllog.read_text()):
-            time.sleep(0.5)
-        pid = pid_with_env(FLUX_TEST_MARKER=marker, LOCAL_RANK=1)
+        wait_for_run_start(tmp_path / "out")
+        pid = pid_with_env(FLUX_TEST_MARKER=str(tmp_path), LOCAL_RANK=1)
         assert pid is not None, "worker with local rank 1 not found"
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
@@ -298,34 +269,15 @@ def test_local_run_killed_worker_ends_it_naming_the_rank(tmp_path):
     assert f"worker rank 1 (local rank 1, pid {pid}) on 127.0.0.1 failed: killed by SIGKILL" in out
 
 
-def local_run(tmp_path: Path, sets: dict, env: dict) -> subprocess.Popen:
-    """`submit --local` of one node, two workers training until stopped; every process of it has
-    FLUX_TEST_MARKER=<tmp_path> in its environment."""
-    sets = {
-        "train.global_batch_size": 4,
-        "train.max_steps": 100000,
-        "eval.enabled": "false",
-        "logging.out_dir": tmp_path / "out",
-        "slurm.folder": f"{tmp_path}/sub/%j",
-        **sets,
-    }
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flux_train.cluster.submit",
-            "--local",
-            "--config",
-            SYSTEM,
-            "--nodes",
-            "1",
-            *set_flags(sets),
-        ],
-        cwd=ROOT,
-        env={**os.environ, "FLUX_TEST_MARKER": str(tmp_path), **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+def local_run(tmp_path: Path, sets: dict, env: dict, stderr=subprocess.PIPE) -> subprocess.Popen:
+    """`submit --local` of one node, an endless_run."""
+    return endless_run(
+        tmp_path,
+        "flux_train.cluster.submit",
+        ["--nodes", "1"],
+        {"slurm.folder": f"{tmp_path}/sub/%j", **sets},
+        env,
+        stderr,
     )
 
 

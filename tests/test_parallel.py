@@ -174,7 +174,7 @@ def test_each_layout_has_what_the_layout_protocol_declares(strategy):
     finally:
         dist.destroy_process_group()
     assert isinstance(layout.model, torch.nn.Module)
-    assert len(layout_methods()) == 9
+    assert len(layout_methods()) == 10
     for name in layout_methods():
         declared = list(inspect.signature(getattr(Layout, name)).parameters)[1:]  # without self
         assert list(inspect.signature(getattr(layout, name)).parameters) == declared, name

@@ -35,8 +35,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
-from flux_train.config import Config, ConfigError, add_overrides, checkpoint_dir, load_config, validate
-from flux_train.errors import Parser, reports_user_errors
+from flux_train.cli import launch_parser
+from flux_train.config import Config, ConfigError, checkpoint_dir, load_config, validate
+from flux_train.errors import reports_user_errors
 from flux_train.masking import mask_env
 from flux_train.training.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from flux_train.training.preemption import REQUEUE_FLAG_ENV, SIGNAL
@@ -502,12 +503,7 @@ class NodeAgent:
 
 @reports_user_errors
 def main(argv=None) -> int:
-    assert __doc__ is not None  # this module's docstring
-    p = Parser(prog="python -m flux_train.cluster.launch", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="YAML config (a system file from configs/systems/)")
-    add_overrides(p)
-    p.add_argument("--local", action="store_true", help="one node on this machine, even inside a Slurm job")
-    args = p.parse_args(argv)
+    args = launch_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # a bad config is answered before torch loads
     from torch.distributed.elastic.multiprocessing import SignalException
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from flux_train.kernels.fp8_cast import cast_transpose, cast_transpose_pair
+from flux_train.kernels.fp8_cast import TINY_AMAX, cast_transpose, cast_transpose_pair
 from flux_train.precision_recipes import RECIPES, Recipe
 
 E4M3 = torch.float8_e4m3fn
@@ -59,7 +59,7 @@ def scale_of(x: torch.Tensor, dim: int | None, dtype: torch.dtype = E4M3) -> tor
     """fp32 scales: amax over `dim` (None = the whole tensor, a 0-dim scale) / the format's max."""
     xf = x.float().abs()
     amax = xf.amax() if dim is None else xf.amax(dim=dim, keepdim=True)
-    return amax.clamp(min=1e-12) / torch.finfo(dtype).max
+    return amax.clamp(min=TINY_AMAX) / torch.finfo(dtype).max
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -53,6 +53,7 @@ def cast_transpose_torch(
 
 
 if HAVE_TRITON:
+    _TINY_AMAX = tl.constexpr(TINY_AMAX)  # a kernel reads a global only as a constexpr
 
     @triton.jit
     def _amax_of(X, SCALE, AMAX, n, BLOCK: tl.constexpr):
@@ -145,7 +146,7 @@ if HAVE_TRITON:
                 tiles = tl.cdiv(M, BM) * tiles_k
                 # acq_rel: every other program's maximum is in AMAX once the count says it arrived
                 if tl.atomic_add(ARRIVALS, 1) == tiles - 1:
-                    s = tl.div_rn(tl.maximum(tl.atomic_add(AMAX, 0.0), 1e-12), FMAX)  # read where the atomics went
+                    s = tl.div_rn(tl.maximum(tl.atomic_add(AMAX, 0.0), _TINY_AMAX), FMAX)  # read where the atomics went
                     for t in range(0, tiles):
                         r0, c0 = (t // tiles_k) * BM, (t % tiles_k) * BK
                         xt, mt = _load_tile(X, M, K, r0, c0, BM, BK)
@@ -155,7 +156,7 @@ if HAVE_TRITON:
         else:
             # without a history AMAX already holds this tensor's amax (the first kernel), and the atomic maxes
             # cannot raise it: every program reads the same value
-            s = tl.where(hist > 0, hist, tl.div_rn(tl.maximum(tl.load(AMAX), 1e-12), FMAX))
+            s = tl.where(hist > 0, hist, tl.div_rn(tl.maximum(tl.load(AMAX), _TINY_AMAX), FMAX))
             _cast_own_tile(Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, s, FMAX, LAYOUTS, BM, BK)
 
     @triton.jit

@@ -75,53 +75,53 @@ def precision_of(row: str, cfg: Config) -> str:
     return recipe.label
 
 
-def print_table(rows: list[dict]) -> None:
-    """Rows of one or more bench runs: throughput, ratios to stock, step efficiency, profiles."""
+def _stock_for(r: dict, rows: list[dict]) -> dict | None:
+    """The stock row `r`'s ratio is taken against: same mode, batch and blocks."""
+    return next(
+        (
+            s
+            for s in rows
+            if s["mode"] == r["mode"]
+            and s["row"] == "stock"
+            and s["batch"] == r["batch"]
+            and s.get("blocks") == r.get("blocks")
+            and "error" not in s
+        ),
+        None,
+    )
 
-    def stock_for(r):
-        return next(
-            (
-                s
-                for s in rows
-                if s["mode"] == r["mode"]
-                and s["row"] == "stock"
-                and s["batch"] == r["batch"]
-                and s.get("blocks") == r.get("blocks")
-                and "error" not in s
-            ),
-            None,
-        )
 
-    def fwdbwd_for(r):
-        return next(
-            (
-                s
-                for s in rows
-                if s["mode"] == "fwdbwd"
-                and s["row"].startswith("ours")
-                and s["row"] not in ("ours-no-graphs", "ours-no-compile", "ours-torch-rmsnorm")
-                and s.get("precision") == r.get("precision")
-                and s["batch"] == r["batch"]
-                and s.get("blocks") == r.get("blocks")
-                and "error" not in s
-            ),
-            None,
-        )
+def _fwdbwd_for(r: dict, rows: list[dict]) -> dict | None:
+    """The fwdbwd row of ours a step row's efficiency is taken against: same precision, batch and blocks."""
+    return next(
+        (
+            s
+            for s in rows
+            if s["mode"] == "fwdbwd"
+            and s["row"].startswith("ours")
+            and s["row"] not in ("ours-no-graphs", "ours-no-compile", "ours-torch-rmsnorm")
+            and s.get("precision") == r.get("precision")
+            and s["batch"] == r["batch"]
+            and s.get("blocks") == r.get("blocks")
+            and "error" not in s
+        ),
+        None,
+    )
 
+
+def _print_throughput(rows: list[dict]) -> None:
+    """The fwdbwd and step rows, one line each: throughput, MFU, memory, ratio to stock, step efficiency."""
     print(
         f"\n{'mode':6s} {'row':58s} {'batch':>5s} {'samples/s/GPU':>13s} {'MFU %':>6s} {'peak GiB':>8s} "
         f"{'vs stock':>8s} {'step eff':>8s} {'eval/s/GPU':>10s}"
     )
-    casts = [r for r in rows if r["mode"] == "casts"]
-    collectives = [r for r in rows if r["mode"] == "collectives"]
-    rows = [r for r in rows if r["mode"] not in ("casts", "collectives")]
     for r in rows:
         name = r.get("label", r["row"]) + (f" [{r['precision']}]" if "precision" in r else "")
         name += f" {r['attention']}" if r.get("attention") and not r["row"].startswith("stock") else ""
         if "error" in r:
             print(f"{r['mode']:6s} {name:58s} {r['batch']:5d} {r['error']}")
             continue
-        stock, ref = stock_for(r), fwdbwd_for(r) if r["mode"] == "step" else None
+        stock, ref = _stock_for(r, rows), _fwdbwd_for(r, rows) if r["mode"] == "step" else None
         ratio = f"{r['samples_s_per_gpu'] / stock['samples_s_per_gpu']:.2f}x" if stock else "-"
         eff = f"{r['samples_s_per_gpu'] / ref['samples_s_per_gpu']:.2f}" if ref else "-"
         mfu = 100 * r["samples_s_per_gpu"] * r["flops_per_sample"] / 1e12 / r["ceiling_tflops"]
@@ -135,6 +135,9 @@ def print_table(rows: list[dict]) -> None:
                 f"       FP8 start-up: {startup['steps']} steps until every operand had an amax history, "
                 f"{startup['extra_s']} s beyond as many steady steps"
             )
+
+
+def _print_casts(casts: list[dict]) -> None:
     for r in casts:
         print(
             f"\nFP8 casts alone, {r['row']}, batch {r['batch']}: {r['ms']} ms per forward+backward, byte floor "
@@ -142,26 +145,40 @@ def print_table(rows: list[dict]) -> None:
         )
         for m, k, count, us, gbps in r["shapes"]:
             print(f"  {m:6d} x {k:6d} x{count:4d}: {us:8.1f} us {gbps:6d} GB/s")
+
+
+def _print_collectives(collectives: list[dict]) -> None:
     for r in collectives:
         print(f"\n{r['row']} over {r['world']} GPUs: bus bandwidth {r['busbw_gbps']} GB/s (mean of the sizes)")
         for what, mb, ms, gbps in r["sizes"]:
             print(f"  {what:26s} {mb:7d} MB {ms:9.3f} ms {gbps:7.1f} GB/s")
-    profiled = [r for r in rows if "profile" in r]
-    if profiled:
-        kinds = list(profiled[0]["profile"])
-        print("\nGPU time per step (ms), by kernel kind; idle = step - compute-stream busy")
-        print(
-            f"{'kind':28s}"
-            + "".join(f" {(r.get('label', r['row']) + ' ' + r.get('precision', ''))[:22]:>23s}" for r in profiled)
-        )
-        for kind in kinds:
-            print(f"{kind:28s}" + "".join(f" {r['profile'].get(kind, 0):23.1f}" for r in profiled))
-        for r in profiled:
-            print(
-                f"\ntop kernels, {r.get('label', r['row'])} {r.get('precision', '')}: ms/step launches/step kind name"
-            )
-            for name, kind, ms, count in r.get("top_kernels", []):
-                print(f"  {ms:9.2f} {count:6d} {kind[:12]:12s} {name[:90]}")
+
+
+def _print_profiles(profiled: list[dict]) -> None:
+    """GPU time per kernel kind, a column per profiled row, then each row's top kernels."""
+    if not profiled:
+        return
+    kinds = list(profiled[0]["profile"])
+    print("\nGPU time per step (ms), by kernel kind; idle = step - compute-stream busy")
+    print(
+        f"{'kind':28s}"
+        + "".join(f" {(r.get('label', r['row']) + ' ' + r.get('precision', ''))[:22]:>23s}" for r in profiled)
+    )
+    for kind in kinds:
+        print(f"{kind:28s}" + "".join(f" {r['profile'].get(kind, 0):23.1f}" for r in profiled))
+    for r in profiled:
+        print(f"\ntop kernels, {r.get('label', r['row'])} {r.get('precision', '')}: ms/step launches/step kind name")
+        for name, kind, ms, count in r.get("top_kernels", []):
+            print(f"  {ms:9.2f} {count:6d} {kind[:12]:12s} {name[:90]}")
+
+
+def print_table(rows: list[dict]) -> None:
+    """Rows of one or more bench runs: throughput, ratios to stock, step efficiency, casts, collectives, profiles."""
+    timed = [r for r in rows if r["mode"] not in ("casts", "collectives")]
+    _print_throughput(timed)
+    _print_casts([r for r in rows if r["mode"] == "casts"])
+    _print_collectives([r for r in rows if r["mode"] == "collectives"])
+    _print_profiles([r for r in timed if "profile" in r])
 
 
 def read_rows(path: str, flag: str = "--table") -> list[dict]:

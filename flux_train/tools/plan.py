@@ -714,6 +714,17 @@ def print_plan(config: str, cfg: Config, figs: Figures, rcp: dict, plans: list[d
         f"GBS {rcp['gbs']}: the RCPs ({rcp['rcp']}, {rcp['runs']} runs) converged in {rcp['mean'] / 1e6:.2f} M "
         f"samples on average ({rcp['low'] / 1e6:.2f}-{rcp['high'] / 1e6:.2f} M)\n"
     )
+    _print_rows(cfg, figs, plans)
+    shown = [p for p in plans if "error" not in p]
+    if not shown:
+        return
+    _print_largest(cfg, shown[-1])
+    _print_sources(config, cfg, figs, shown)
+    print(f"plot: {png}")
+
+
+def _print_rows(cfg: Config, figs: Figures, plans: list[dict]) -> None:
+    """The table: one row a node count, and why a layout does not fit under its row."""
     print(" ".join(f"{h:{'<' if h == 'layout' else '>'}{w}s}" for h, w in COLUMNS))
     for p in plans:
         if "error" in p:
@@ -722,10 +733,10 @@ def print_plan(config: str, cfg: Config, figs: Figures, rcp: dict, plans: list[d
         print(" ".join(f"{c:{'<' if h == 'layout' else '>'}{w}s}" for c, (h, w) in zip(_cells(p), COLUMNS)))
         if p["memory"].get("fits") is False:
             print(f"      does not fit: {refusal(sized(cfg, p['nodes'])[0], figs, p['memory'])}")
-    shown = [p for p in plans if "error" not in p]
-    if not shown:
-        return
-    last = shown[-1]
+
+
+def _print_largest(cfg: Config, last: dict) -> None:
+    """The plan of the most nodes in words: memory per GPU, what a step is made of, checkpoints, warm-up."""
     m, ck, w, s = last["memory"], last["checkpoint"], last["warmup"], last["step"]
     line = (
         f"\nper GPU at {last['nodes']} node(s): model state {m['state_gib']:.1f} GiB + activations "
@@ -752,6 +763,10 @@ def print_plan(config: str, cfg: Config, figs: Figures, rcp: dict, plans: list[d
     t = last.get("time_to_train")
     if t and t["mean_min"] > cfg.slurm.time_min:
         print(f"longer than slurm.time_min {cfg.slurm.time_min}: the run goes on after requeues (slurm.max_requeue)")
+
+
+def _print_sources(config: str, cfg: Config, figs: Figures, shown: list[dict]) -> None:
+    """Where each figure came from, and the ones missing (what their absence makes a lower bound)."""
     print("\nsources:")
     for name, text in {k: v for p in shown for k, v in p["sources"].items()}.items():
         print(f"  {name:20s} {text}")
@@ -762,7 +777,6 @@ def print_plan(config: str, cfg: Config, figs: Figures, rcp: dict, plans: list[d
         print("missing (times that need them are lower bounds, marked >=):")
         for text in missing:
             print(f"  {text}")
-    print(f"plot: {png}")
 
 
 def how_to_measure(config: str, cfg: Config, kind: str) -> str:

@@ -339,6 +339,9 @@ class DDP:
         for bucket in self.buckets:
             self._wait_gather(bucket)
 
+    def after_eval(self) -> None:
+        """Nothing: the weights are never sharded."""
+
     def reset_optimizer(self) -> None:
         """Zero moments and step count, keeping the weights (after warm-up steps with lr 0)."""
         self.wait_params()

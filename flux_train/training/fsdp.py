@@ -94,6 +94,13 @@ class FSDPTraining:
     def wait_params(self) -> None:
         pass
 
+    def after_eval(self) -> None:
+        # forwards without a backward leave weights gathered: sharded again as after a train step, so checkpoints
+        # see one layout (torchtitan PR #1167)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def reset_optimizer(self) -> None:
         self.optimizer.state.clear()  # AdamW re-creates zero moments and step 0 at the next step
 

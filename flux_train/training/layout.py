@@ -48,6 +48,10 @@ class Layout(Protocol):
         """Before the weights are read outside a forward (checkpoints, export, the end of the run)."""
         ...
 
+    def after_eval(self) -> None:
+        """After an eval's forwards: the weights as a train step leaves them, so checkpoints see one layout."""
+        ...
+
     def reset_optimizer(self) -> None:
         """Zero moments and step count, keeping the weights (after the warm-up's steps with lr 0)."""
         ...

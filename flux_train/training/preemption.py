@@ -22,8 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
-from flux_train.config import add_overrides
-from flux_train.errors import Parser, reports_user_errors
+from flux_train.errors import reports_user_errors
 
 SIGNAL = signal.SIGUSR2
 EXIT_CODE = 75  # EX_TEMPFAIL: saved a checkpoint on SIGNAL and stopped; the job requeues
@@ -42,16 +41,10 @@ def teardown() -> list[str]:
 
 @reports_user_errors
 def main(argv=None) -> int:
+    from flux_train.cli import preemption_parser
     from flux_train.config import load_config
 
-    p = Parser(
-        prog="python -m flux_train.training.preemption",
-        description="Print the sbatch options of the preemption contract for a config "
-        "(for `sbatch $(...) slurm/flux.sbatch --config CONFIG`).",
-    )
-    p.add_argument("--config", required=True)
-    add_overrides(p)
-    args = p.parse_args(argv)
+    args = preemption_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     print(shlex.join(sbatch_options(cfg.slurm.signal_delay_s)))
     return 0

@@ -22,16 +22,16 @@ import torch
 import torch.distributed as dist
 
 from dataprep.format import METADATA
+from flux_train.cli import preflight_parser
 from flux_train.config import (
     Config,
     ConfigError,
-    add_overrides,
     checkpoint_dir,
     graph_blocker,
     graphs_on,
     load_config,
 )
-from flux_train.errors import Parser, UserError, reports_user_errors
+from flux_train.errors import UserError, reports_user_errors
 from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on
 from flux_train.model.flux import build_model, count_params
 from flux_train.training.checkpoint_size import checkpoint_disk_gb
@@ -51,21 +51,33 @@ class PreflightError(UserError):
 
 
 def node_problems(cfg: Config, device: torch.device, gpus_per_node: int) -> list[str]:
-    """This node's reasons to refuse the run (empty: fit)."""
+    """This node's reasons to refuse the run (empty: fit): its GPUs, the free disk and writability of the run's
+    folders, the dataset."""
+    gpus = gpu_problems(cfg.preflight.gpu_name, gpus_per_node) if device.type == "cuda" else []
+    return gpus + folder_problems(cfg) + dataset_problems(cfg)
+
+
+def gpu_problems(gpu_name: str, gpus_per_node: int) -> list[str]:
+    """Too few GPUs, one of another kind than `gpu_name` (preflight.gpu_name), or one another process uses."""
+    problems = []
+    count = torch.cuda.device_count()
+    if count < gpus_per_node:
+        problems.append(f"{count} GPUs visible, the run needs {gpus_per_node}")
+    for i in range(min(count, gpus_per_node)):
+        name = torch.cuda.get_device_name(i)
+        if gpu_name and gpu_name not in name:
+            problems.append(f"GPU {i} is a {name}, expected {gpu_name} (preflight.gpu_name)")
+        free, total = torch.cuda.mem_get_info(i)
+        if (total - free) / 2**30 > IDLE_GPU_USED_GIB:
+            problems.append(f"GPU {i} has {(total - free) / 2**30:.1f} GiB in use by another process")
+    return problems
+
+
+def folder_problems(cfg: Config) -> list[str]:
+    """The checkpoint and log folders: less free disk than the run needs, or not writable."""
     p = cfg.preflight
     floor = p.min_free_disk_gb if p.min_free_disk_gb is not None else checkpoint_disk_gb(cfg)
     problems = []
-    if device.type == "cuda":
-        count = torch.cuda.device_count()
-        if count < gpus_per_node:
-            problems.append(f"{count} GPUs visible, the run needs {gpus_per_node}")
-        for i in range(min(count, gpus_per_node)):
-            name = torch.cuda.get_device_name(i)
-            if p.gpu_name and p.gpu_name not in name:
-                problems.append(f"GPU {i} is a {name}, expected {p.gpu_name} (preflight.gpu_name)")
-            free, total = torch.cuda.mem_get_info(i)
-            if (total - free) / 2**30 > IDLE_GPU_USED_GIB:
-                problems.append(f"GPU {i} has {(total - free) / 2**30:.1f} GiB in use by another process")
     for what, folder in (
         ("checkpoint", checkpoint_dir(cfg)),
         ("log", cfg.logging.out_dir),
@@ -82,15 +94,18 @@ def node_problems(cfg: Config, device: torch.device, gpus_per_node: int) -> list
         unwritable = not_writable(Path(folder))
         if unwritable:
             problems.append(f"the {what} folder {folder} is not writable here ({unwritable})")
-    if cfg.data.source == "energon" and cfg.data.path:
-        root = Path(cfg.data.path)
-        if not (root / ".nv-meta" / "dataset.yaml").is_file():
-            problems.append(f"dataset {root} is not readable here (no .nv-meta/dataset.yaml): mount it on every node")
-        else:
-            missing = [split for split in ("train", "val") if not (root / split).is_dir()]
-            if missing:
-                problems.append(f"dataset {root} has no {' or '.join(missing)}/ split")
     return problems
+
+
+def dataset_problems(cfg: Config) -> list[str]:
+    """The energon dataset not readable on this node, or without its splits."""
+    if cfg.data.source != "energon" or not cfg.data.path:
+        return []
+    root = Path(cfg.data.path)
+    if not (root / ".nv-meta" / "dataset.yaml").is_file():
+        return [f"dataset {root} is not readable here (no .nv-meta/dataset.yaml): mount it on every node"]
+    missing = [split for split in ("train", "val") if not (root / split).is_dir()]
+    return [f"dataset {root} has no {' or '.join(missing)}/ split"] if missing else []
 
 
 def not_writable(folder: Path) -> str | None:
@@ -220,10 +235,7 @@ def run(cfg: Config, device: torch.device, local_rank: int, gpus_per_node: int) 
 def main(argv=None) -> int:
     from flux_train.training.distributed import init_distributed, shutdown
 
-    ap = Parser(prog="python -m flux_train.training.preflight", description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--config", default="configs/debug.yaml", help="the run's config (what to check)")
-    add_overrides(ap)
-    args = ap.parse_args(argv)
+    args = preflight_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     try:
         d = init_distributed(cfg.parallel, cfg.train.device)

@@ -72,13 +72,24 @@ class Status(str, enum.Enum):
     COMPLETED = "completed"  # a finished run's final checkpoint, which a kill had cut, written (no MLLOG event)
 
 
-class Boundary(NamedTuple):
-    """Where a block of steps ends: "eval" (one is due), "stop" (a rank got Slurm's warning signal), "diverged"
-    (a non-finite step, the first this rank saw, 0 if only other ranks did) or "cap" (train.max_steps)."""
+class End(enum.Enum):
+    """Why a block of steps ended."""
 
-    kind: str
+    EVAL = "eval"  # one is due
+    STOP = "stop"  # a rank got Slurm's warning signal
+    DIVERGED = "diverged"  # a non-finite step
+    CAP = "cap"  # train.max_steps
+
+
+class Boundary(NamedTuple):
+    """Where a block of steps ends: why (`kind`), whether a rank got the warning signal (`stop`, with an eval too),
+    the first non-finite step this rank saw (`first_bad`; 0 if only other ranks did) and whether a checkpoint is
+    due at this step, saved after its eval (`checkpoint`)."""
+
+    kind: End
     stop: bool = False
     first_bad: int = 0
+    checkpoint: bool = False
 
 
 class Trainer:
@@ -169,6 +180,7 @@ class Trainer:
             every=eval_interval_steps(cfg) if cfg.eval.enabled else 0,
             target=cfg.eval.target,
             after_eval=self.pictures.after_eval,
+            after_pass=self.layout.after_eval,
         )
         self.stop_requested = False
         self.flops_per_sample: float | None = None
@@ -367,23 +379,24 @@ class Trainer:
             with self.mllog.block(lambda: self.state.samples):
                 metrics.reset_window()
                 end = self._block(metrics, window)
-            if end.kind == "diverged":
+            if end.kind is End.DIVERGED:
                 return self._diverged(end.first_bad)
-            if end.kind == "eval":  # before a stop: a checkpoint of this step stands for its eval having run
-                t0 = time.perf_counter()
-                reached = self.evaluator.run(self.state, metrics.emit)
-                metrics.eta.eval_s = time.perf_counter() - t0  # with what follows it (report, sample grid)
-                if reached:
-                    return Status.SUCCESS
+            # the eval before a stop or a checkpoint: a checkpoint of this step stands for its eval having run
+            if end.kind is End.EVAL and self._eval_reached(metrics):
+                return Status.SUCCESS
             if end.stop:
                 self.save_checkpoint()
                 return Status.PREEMPTED
-            if end.kind == "cap":
-                return Status.ABORTED
-            if self.checkpointer.due(self.state.step):
+            if end.checkpoint:
                 self.save_checkpoint()
-            if self.state.step >= self.cfg.train.max_steps:  # the cap fell on an eval: run_stop follows its eval_stop
+            if self.state.step >= self.cfg.train.max_steps:  # the cap, or it fell on an eval: run_stop follows it
                 return Status.ABORTED
+
+    def _eval_reached(self, metrics: Metrics) -> bool:
+        """The eval that is due; whether it reached the target."""
+        done = self.evaluator.run(self.state, metrics.emit)
+        metrics.eta.eval_s = done.seconds  # with what follows it (report, sample grid)
+        return done.reached
 
     def _block(self, metrics: Metrics, window: LogWindow) -> Boundary:
         """Steps until an eval is due, a stop, a non-finite step or the step cap; the metrics and checkpoints of
@@ -400,7 +413,7 @@ class Trainer:
             # a host sync: nothing below may act on a non-finite state
             mean_loss, stop, first_bad = window.close(self.stop_requested)
             if first_bad is not None:
-                return Boundary("diverged", first_bad=first_bad)
+                return Boundary(End.DIVERGED, first_bad=first_bad)
             lr = lr_at(step - 1, t.lr, t.warmup_steps)
             metrics.log(
                 step,
@@ -414,10 +427,10 @@ class Trainer:
             if warning and self.dist.is_main:
                 say(f"flux-train: warning: {warning}", file=sys.stderr)
             if eval_due or stop:
-                return Boundary("eval" if eval_due else "stop", stop)
+                return Boundary(End.EVAL if eval_due else End.STOP, stop, checkpoint=checkpoint_due)
             if checkpoint_due:
                 self.save_checkpoint()
-        return Boundary("cap")
+        return Boundary(End.CAP)
 
     def _diverged(self, first_bad: int) -> Status:
         at = f"at step {first_bad}" if first_bad > 0 else f"in the steps up to {self.state.step}"
