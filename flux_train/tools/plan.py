@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from flux_train import hardware
 from flux_train.cli import plan_parser
 from flux_train.config import (
     CONFIG_DIR,
@@ -57,6 +58,7 @@ from flux_train.config import (
     mesh_shape,
 )
 from flux_train.errors import UserError, output_file, reports_user_errors, write_output
+from flux_train.hardware import Kind, kind_of, named
 from flux_train.model.flux import flops_per_sample, param_count, token_linear_param_count
 from flux_train.outputs.mllog import BENCHMARK, RULESET, USAGE, rcp_samples
 from flux_train.precision_recipes import RECIPES, labelled
@@ -81,15 +83,17 @@ class PlanError(UserError):
 
 
 class Figures:
-    """What is known about one GPU kind: stated figures (flags) first, then the table's figures; bench rows from
-    a --measured file first, then the table's. Activations may come from another kind's rows (the same code and
-    model hold the same tensors), labelled so."""
+    """What is known about one GPU kind: stated figures (flags) first, then the measured figures, then the vendor's
+    (flux_train/hardware.py: its memory); bench rows from a --measured file first, then the table's. Activations may
+    come from another kind's rows (the same code and model hold the same tensors), labelled so."""
 
     def __init__(self, kind: str, measured: str | None = None, stated: dict | None = None):
         table = yaml.safe_load(FIGURES_FILE.read_text())
-        self.kind = next((k for k in table if k.lower() == kind.lower()), kind)
-        self.known = self.kind in table
+        found = kind_of(kind)
+        self.kind = found.name if found else kind
+        self.known = found is not None
         self.figures = table.get(self.kind, {}).get("figures", {})
+        self.vendor = vendor_figures(found)
         self.stated = {k: v for k, v in (stated or {}).items() if v is not None}
         self.row_sets = [  # this kind's rows, then the other kinds'; stock steps are the table's baselines only
             [(r, f"{FIGURES_FILE.name} {k}, {r['date']}") for k, v in table.items() if (k == self.kind) == mine
@@ -109,7 +113,7 @@ class Figures:
                     f"--measured {path}: row {n} has no 'blocks' or 'strategy' (written by an older bench): add "
                     '"blocks": [double, single] and, for a step row, "strategy"'
                 )
-            if self.kind.lower() not in row.get("device", self.kind).lower():
+            if not named(self.kind, row.get("device", self.kind)):
                 raise PlanError(
                     f"--measured {path}: row {n} was measured on {row['device']}, the plan is for {self.kind}"
                 )
@@ -119,18 +123,17 @@ class Figures:
     @property
     def measured(self) -> bool:
         """Whether anything of this kind was measured or stated: a figure not from the vendor's spec, a bench row."""
-        return bool(self.stated) or any("spec" not in f for f in self.figures.values()) or any(self.row_sets[:-1])
+        return bool(self.stated) or bool(self.figures) or any(self.row_sets[:-1])
 
     def figure(self, name: str) -> tuple[float, str] | None:
-        """(value, where it comes from) of a stated or tabled figure, or None."""
+        """(value, where it comes from) of a stated, measured or vendor's figure, or None."""
         if name in self.stated:
             return float(self.stated[name]), f"{self.stated[name]:g}, stated on the command line"
         f = self.figures.get(name)
         if f is None:
-            return None
+            return self.vendor.get(name)
         span = f"{f['value']:g}-{f['high']:g}" if "high" in f else f"{f['value']:g}"
-        origin = f"spec: {f['spec']}" if "spec" in f else f"measured {f['date']}"
-        return float(f["value"]), f"{span} {f['unit']} ({self.kind}, {origin})"
+        return float(f["value"]), f"{span} {f['unit']} ({self.kind}, measured {f['date']})"
 
     def rows(self, mode: str, match, any_kind: bool = False) -> tuple[list[dict], str]:
         """The matching rows of the first row set that has any (this kind's, then with any_kind another's)."""
@@ -145,6 +148,13 @@ class Figures:
         other = copy.copy(self)
         other.row_sets = [[(r, w) for r, w in rows if step_setup(r) != setup] for rows in self.row_sets]
         return other
+
+
+def vendor_figures(kind: Kind | None) -> dict[str, tuple[float, str]]:
+    """A kind's figures from flux_train/hardware.py, as the plan shows them: (value, where it comes from)."""
+    if kind is None:
+        return {}
+    return {"memory_gib": (kind.memory_gib, f"{kind.memory_gib:g} GiB ({kind.name}, spec: {kind.memory_spec})")}
 
 
 def step_setup(row: dict) -> tuple | None:
@@ -808,15 +818,15 @@ def main(argv=None) -> int:
     if args.gpus_per_node:
         cfg.slurm.gpus_per_node = args.gpus_per_node
     kind = args.gpu or cfg.preflight.gpu_name
-    table = FIGURES_FILE.relative_to(CONFIG_DIR.parent)
-    kinds = f"the kinds {table} has figures for: {', '.join(yaml.safe_load(FIGURES_FILE.read_text()))}"
+    table = Path(hardware.__file__).relative_to(CONFIG_DIR.parent)
+    kinds = f"the kinds {table} holds: {', '.join(k.name for k in hardware.KINDS)}"
     if not kind:
         raise PlanError(f"name the GPU kind: --gpu KIND or preflight.gpu_name ({kinds})")
     stated = {"intra_node_busbw_gbps": args.intra_gbps, "inter_node_busbw_gbps": args.inter_gbps, "rate": args.rate}
     figs = Figures(kind, args.measured, stated)
     if not figs.known:  # not even its memory: every column would be empty
         given = f"--gpu {kind}" if args.gpu else f"preflight.gpu_name {kind}"
-        raise PlanError(f"{given}: no figures for this GPU kind; give one of {kinds} (or add the kind's figures there)")
+        raise PlanError(f"{given}: no such GPU kind; give one of {kinds} (or add the kind there)")
     if args.check:
         results = check(cfg, figs)
         print(json.dumps(results, indent=1)) if args.json else print_check(results)
