@@ -1,7 +1,7 @@
 """The GPU kinds, in one table that everything reading a kind takes it from: the peak for MFU
 (flux_train/training/metrics.py), the attention backend `perf.attention=auto` tries (flux_train/training/perf.py),
 the e4m3 format of FP8 (flux_train/kernels/fp8.py), pre-flight's check of `preflight.gpu_name` and the planner's
-memory (flux_train/tools/plan.py; what was measured per kind is flux_train/tools/measured.yaml). Adding a kind
+memory (flux_train/tools/plan_figures.py; what was measured per kind is flux_train/tools/measured.yaml). Adding a kind
 is one row here, its bench rows there and a system config (configs/systems/). No torch at import: the parsers may
 read it too."""
 

@@ -16,6 +16,7 @@ from flux_train.config import load_config
 from flux_train.hardware import KINDS, kind_of, of_arch
 from flux_train.kernels.fp8 import device_e4m3
 from flux_train.tools import plan
+from flux_train.tools.plan_figures import FIGURES_FILE
 from flux_train.training import perf, preflight
 from flux_train.training.metrics import peak_tflops
 
@@ -57,7 +58,7 @@ def test_kinds_of_one_architecture_say_the_same_of_it():
 
 
 def test_measured_yaml_holds_measurements_of_the_tables_kinds_only():
-    measured = yaml.safe_load(plan.FIGURES_FILE.read_text())
+    measured = yaml.safe_load(FIGURES_FILE.read_text())
     assert set(measured) <= {k.name for k in KINDS}
     for kind, entry in measured.items():
         for name, figure in entry.get("figures", {}).items():
