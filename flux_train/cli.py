@@ -221,7 +221,7 @@ def plan_parser() -> Parser:
         "--nodes", nargs="+", type=node_counts, help="node counts: N, several, or a range A-B (default slurm.nodes)"
     )
     p.add_argument("--gpus-per-node", type=positive_int, help="slurm.gpus_per_node")
-    p.add_argument("--gpu", help="the GPU kind, a key of flux_train/tools/measured.yaml (default preflight.gpu_name)")
+    p.add_argument("--gpu", help="the GPU kind, a name of flux_train/hardware.py's table (default preflight.gpu_name)")
     p.add_argument(
         "--measured",
         metavar="ROWS",

@@ -237,11 +237,11 @@ BAD_INPUTS = [
     ),
     ("bench-zero-steps", BENCH, ["--steps", "0"], "argument --steps: must be >= 1"),
     (
-        "plan-gpu-without-figures",
+        "plan-gpu-not-in-the-table",
         PLAN,
-        ["--config", "{root}/configs/systems/H200_01x08.yaml", "--gpu", "B200"],
-        "plan: --gpu B200: no figures for this GPU kind; give one of the kinds flux_train/tools/measured.yaml has "
-        "figures for: H200, H100, MI325X, MI355X",
+        ["--config", "{root}/configs/systems/H200_01x08.yaml", "--gpu", "A100"],
+        "plan: --gpu A100: no such GPU kind; give one of the kinds flux_train/hardware.py holds: H100, H200, B200, "
+        "MI300X, MI325X, MI355X",
     ),
     (
         "plan-node-range-backwards",

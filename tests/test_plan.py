@@ -16,8 +16,8 @@ import torch
 from run_outputs import set_flags, train
 
 from flux_train.cluster import submit as sub
-from flux_train.config import load_config
-from flux_train.model.flux import build_model, count_params, token_linear_param_count
+from flux_train.config import EVAL_SAMPLES, load_config
+from flux_train.model.flux import build_model, count_params, flops_per_sample, token_linear_param_count
 from flux_train.tools import plan
 from flux_train.training import preflight
 from flux_train.training.checkpoint_size import checkpoint_bytes
@@ -278,9 +278,9 @@ def test_eval_rate_of_another_depth_carries_over_at_its_flop_rate(capsys, tmp_pa
     got = plan_json(capsys, tmp_path, "--config", H200, "--measured", str(rows))["plans"][0]
     cfg = load_config(H200)
     small = load_config(H200, ["model.num_layers=6", "model.num_single_layers=12"])
-    scaled = eval_rate * plan.flops_per_sample(small.model, 256, 256) / plan.flops_per_sample(cfg.model, 256, 256)
+    scaled = eval_rate * flops_per_sample(small.model, 256, 256) / flops_per_sample(cfg.model, 256, 256)
     assert scaled == pytest.approx(eval_rate / 3.16, rel=0.01) and got["gpus"] == 8  # 19+38 blocks: 3.16x the FLOPs
-    assert got["time_to_train"]["eval_s"] == pytest.approx(plan.EVAL_SAMPLES / (scaled * got["gpus"]), rel=1e-6)
+    assert got["time_to_train"]["eval_s"] == pytest.approx(EVAL_SAMPLES / (scaled * got["gpus"]), rel=1e-6)
     assert "at their FLOP rate" in got["sources"]["eval"] and f"{rows} row 1" in got["sources"]["eval"]
 
 

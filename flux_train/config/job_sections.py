@@ -17,7 +17,7 @@ class PreflightConfig:
         "per-node checks and an all-reduce bandwidth probe before init_start (flux_train/training/preflight.py); the "
         "submitter turns it on for Slurm runs",
     )
-    gpu_name: str = setting("", "a substring every GPU's name must contain, e.g. H200; empty: any", may_be_empty=True)
+    gpu_name: str = setting("", "a word every GPU's name holds, e.g. H200 (not GH200); empty: any", may_be_empty=True)
     min_free_disk_gb: Optional[float] = setting(
         None,
         "free disk needed in the checkpoint and log folders; unset (null): what the plan says the checkpoints need, "

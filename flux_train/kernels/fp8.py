@@ -21,9 +21,8 @@ copied into the bucket afterwards (flux_train.training.ddp).
 On a CPU the same quantisation is emulated with a dequantised matmul, so the recipes' numerics can be checked
 anywhere. Shapes with a dimension not divisible by 16 fall back to bf16.
 
-The e4m3 format depends on the GPU: OCP `float8_e4m3fn` (max 448) on NVIDIA Hopper/Blackwell and AMD gfx950
-(MI355X), `float8_e4m3fnuz` (max 240, no negative zero) on AMD gfx942 (MI300X/MI325X), whose matrix cores
-reject the OCP format.
+The e4m3 format depends on the GPU's architecture (flux_train/hardware.py's e4m3 column): OCP `float8_e4m3fn`
+(max 448), or `float8_e4m3fnuz` (max 240, no negative zero) where the matrix cores reject the OCP format.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from flux_train.hardware import device_arch, of_arch
 from flux_train.kernels.fp8_cast import TINY_AMAX, cast_transpose, cast_transpose_pair
 from flux_train.precision_recipes import RECIPES, Recipe
 
@@ -42,17 +42,14 @@ E4M3 = torch.float8_e4m3fn
 
 
 def e4m3_dtype(gpu_arch: str | None) -> torch.dtype:
-    """The e4m3 dtype for a GPU architecture name (torch.cuda.get_device_properties().gcnArchName on ROCm;
-    None or any NVIDIA/CPU name: OCP e4m3)."""
-    if gpu_arch and gpu_arch.split(":")[0] == "gfx942":
-        return torch.float8_e4m3fnuz
-    return torch.float8_e4m3fn
+    """The e4m3 dtype of a GPU architecture (flux_train.hardware.device_arch; None, the CPU's emulation, or one the
+    table does not hold: OCP e4m3)."""
+    kind = of_arch(gpu_arch) if gpu_arch else None
+    return getattr(torch, kind.e4m3) if kind else E4M3
 
 
 def device_e4m3(device: torch.device) -> torch.dtype:
-    if device.type == "cuda" and torch.version.hip:
-        return e4m3_dtype(torch.cuda.get_device_properties(device).gcnArchName)
-    return e4m3_dtype(None)
+    return e4m3_dtype(device_arch(device) if device.type == "cuda" else None)
 
 
 def scale_of(x: torch.Tensor, dim: int | None, dtype: torch.dtype = E4M3) -> torch.Tensor:

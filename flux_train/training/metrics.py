@@ -15,19 +15,17 @@ from tqdm import tqdm
 
 from flux_train.config import Config
 from flux_train.errors import StorageError
+from flux_train.hardware import kind_of
 from flux_train.outputs.mllog import rcp_samples
 from flux_train.outputs.report import METRICS_FILE
 from flux_train.training.distributed import all_reduce_sum
 
-# dense bf16 peak per GPU, for MFU; the bench measures the achievable ceiling itself
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "MI300X": 1307.0, "MI325X": 1307.0, "MI355X": 2500.0}
-
 
 def peak_tflops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    """The GPU's dense bf16 peak, for MFU (None: not a GPU the table holds); the bench measures the achievable
+    ceiling itself."""
+    kind = kind_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return kind.bf16_tflops if kind else None
 
 
 def eta_goals(cfg: Config, every: int) -> list[tuple[int, str]]:

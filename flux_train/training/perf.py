@@ -24,18 +24,16 @@ from torch import nn
 
 from flux_train.config import PerfConfig
 from flux_train.data.contract import DataError
+from flux_train.hardware import device_arch, of_arch
 from flux_train.model.flux import block_stacks
 from flux_train.training.precision import Precision
 
 
 def preferred_attention(device: torch.device) -> str:
-    """The SDPA backend measured fastest for Flux's attention (24 heads x 512 tokens x 128, bf16) on this GPU:
-    cuDNN on Hopper (H200, torch 2.11 + cuDNN 9 for CUDA 13: forward+backward 0.66 ms against flash's 1.00,
-    and half the attention time of a training step; docs/performance.md "Performance"), flash elsewhere (ROCm's flash is
-    its own kernels; cuDNN is NVIDIA's; other NVIDIA GPUs are not measured)."""
-    if torch.version.hip or torch.cuda.get_device_capability(device) != (9, 0):
-        return "flash"
-    return "cudnn"
+    """The SDPA backend measured fastest for Flux's attention (24 heads x 512 tokens x 128, bf16) on this GPU's
+    architecture (flux_train/hardware.py); flash, which every platform has, where the table holds none of it."""
+    kind = of_arch(device_arch(device))
+    return kind.attention if kind else "flash"
 
 
 def attention_problem(name: str, device: torch.device) -> str | None:

@@ -32,6 +32,7 @@ from flux_train.config import (
     load_config,
 )
 from flux_train.errors import UserError, reports_user_errors
+from flux_train.hardware import named
 from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on
 from flux_train.model.flux import build_model, count_params
 from flux_train.training.checkpoint_size import checkpoint_disk_gb
@@ -65,7 +66,7 @@ def gpu_problems(gpu_name: str, gpus_per_node: int) -> list[str]:
         problems.append(f"{count} GPUs visible, the run needs {gpus_per_node}")
     for i in range(min(count, gpus_per_node)):
         name = torch.cuda.get_device_name(i)
-        if gpu_name and gpu_name not in name:
+        if gpu_name and not named(gpu_name, name):  # as the table's kinds are found: a GH200 is no H200
             problems.append(f"GPU {i} is a {name}, expected {gpu_name} (preflight.gpu_name)")
         free, total = torch.cuda.mem_get_info(i)
         if (total - free) / 2**30 > IDLE_GPU_USED_GIB:
