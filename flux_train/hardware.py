@@ -23,8 +23,8 @@ class Kind:
     fp8_tflops: float
     memory_gib: float  # what the planner fits a run into: the vendor's figure (as the driver reports it, where read)
     memory_spec: str  # where memory_gib comes from, printed beside it
-    # of the architecture (every kind of one arch says the same: tests/test_hardware.py): the SDPA backend measured
-    # fastest for Flux's attention, and the torch e4m3 dtype its matrix cores take
+    # of the architecture (every kind of one arch says the same: tests/unit/test_hardware.py): the SDPA backend
+    # measured fastest for Flux's attention, and the torch e4m3 dtype its matrix cores take
     attention: str
     e4m3: str
 

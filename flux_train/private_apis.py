@@ -4,53 +4,54 @@ are, in the file named. None has a public equivalent; a release that changes one
 named beside each fail first.
 
 - submitit 1.5 (<1.6): `_make_sbatch_string`, the sbatch script submitit would submit; `submit --dry-run`
-  prints it (submitit has no public dry run). Tests: tests/test_submit.py.
+  prints it (submitit has no public dry run). Tests: tests/cluster/test_submit.py.
 - megatron-energon 7.3-7.x (<8): `Sharder.split_samples_to_workers`, energon's split of a split's samples over
   the global workers, so that validation counts every sample once on any rank count. Tests:
-  tests/test_data_energon.py.
+  tests/runs/test_data_energon.py.
 - megatron-energon 7.x: the `<shard>.tar.idx` files its `prepare` writes beside each shard (uint64 byte offsets of
   the samples, then the end of the last), so that a shard cut short is named before the run reads it. Tests:
-  tests/test_data_energon.py.
+  tests/unit/test_data_energon.py.
 - megatron-energon 7.x: the module-level `print` of `megatron.energon.errors`, through which `ErrorContext` prints
   "Except <error> in <stage>" on stdout before it calls the error handler; with ours (`reraise_exception`) the
   error reaches the trainer, which names it in one line, so the print is dropped (`quiet_energon_sample_errors`).
-  Tests: tests/test_data_energon.py.
+  Tests: tests/unit/test_data_energon.py.
 - mlperf-logging 4.1 (<5): the compliance checker's `make_checker` and its module-level `enqueued_configs`,
   the checker object's message dictionaries, `rcp_checker.check_directory` and the RCP table beside it. The
   package's public interface is its command line, which prints and exits; `results` needs the verdicts keyed
-  by log key. Tests: tests/test_results.py, tests/test_plan.py (the RCP table).
+  by log key. Tests: tests/runs/test_results.py, tests/unit/test_plan.py (the RCP table).
 - submitit 1.5: `python -m submitit.core._submit FOLDER`, the module each Slurm task runs to unpickle and call
   the job's function; flux-train runs it inside the container (flux_train/cluster/submit.py), where submitit's own
-  command line would run it on the host. Tests: tests/test_slurm_submit.py.
+  command line would run it on the host. Tests: tests/cluster/test_slurm_submit.py.
 - submitit 1.5: `JobPaths.get_first_id_independent_folder`, the folder (slurm.folder up to its first `%j`) where
   submitit stages a submission's pickles and batch script; submit removes those of a job sbatch refused
-  (flux_train/cluster/submit.py). Tests: tests/test_submit.py (a refused job), tests/test_slurm_submit.py.
+  (flux_train/cluster/submit.py). Tests: tests/cluster/test_submit.py (a refused job),
+  tests/cluster/test_slurm_submit.py.
 - torch 2.11-2.13: `torch._scaled_mm`, the FP8 GEMM on tensor cores with per-tensor scales, a bias epilogue and
-  fast accumulation (flux_train/kernels/fp8.py; torchao calls the same). Tests: tests/test_gpu.py (GPU),
-  tests/test_fp8.py (the CPU emulation it is compared with).
+  fast accumulation (flux_train/kernels/fp8.py; torchao calls the same). Tests: tests/gpu/test_gpu.py (GPU),
+  tests/unit/test_fp8.py (the CPU emulation it is compared with).
 - torch 2.11-2.13: `torch._foreach_copy_`, `torch._foreach_zero_`, one kernel launch for every FP8 layer's amax
-  history and scale (flux_train/kernels/fp8.py, inside the graphed step). Tests: tests/test_fp8.py.
+  history and scale (flux_train/kernels/fp8.py, inside the graphed step). Tests: tests/unit/test_fp8.py.
 - torch 2.11-2.13: `torch.distributed.algorithms._checkpoint.checkpoint_wrapper`, activation checkpointing of
   a block as FSDP2 expects it (flux_train/training/perf.py, parallel.activation_checkpointing). Tests:
-  tests/test_parallel.py.
+  tests/runs/test_parallel.py.
 - torch 2.11-2.13: the wrappers' names inside parameter names, `_orig_mod` (torch.compile's OptimizedModule) and
   `_checkpoint_wrapped_module` (checkpoint_wrapper); `canonical_name` drops them, so checkpoints, initial weights
   and exports name parameters alike with and without perf.compile and activation checkpointing
-  (flux_train/model/flux.py). Tests: tests/test_parallel.py (compiled blocks keep the checkpoint names, the
-  activation-checkpointing row).
+  (flux_train/model/flux.py). Tests: tests/unit/test_parallel.py (compiled blocks keep the checkpoint names),
+  tests/runs/test_parallel.py (the activation-checkpointing row).
 - torch 2.11-2.13: `nn.Module._parameters`, the dict a module holds its parameters in: ddp puts each parameter's
   view of its bucket's flat weight buffer there in place of the parameter, which leaves the modules and the
-  wrappers around them as they are (flux_train/training/ddp.py). Tests: tests/test_parallel.py (the ddp rows),
-  tests/test_ddp_reduction.py.
+  wrappers around them as they are (flux_train/training/ddp.py). Tests: tests/runs/test_parallel.py (the ddp rows),
+  tests/runs/test_ddp_reduction.py.
 - torch 2.11-2.13: torch-elastic's worker log layout (DefaultLogsSpecs),
   `<log_dir>/<run id>_<random>/attempt_<n>/<local rank>/stderr.log`, where the per-node agent reads a failed
-  worker's last stderr lines (flux_train/cluster/launch.py). Tests: tests/test_launch.py (a failure names the
+  worker's last stderr lines (flux_train/cluster/launch.py). Tests: tests/cluster/test_launch.py (a failure names the
   rank and the stderr tail).
 - torch 2.11-2.13: the elastic agent's INFO record "Rendezvous complete for workers. Result: ...", whose arguments
   are one dict (group_rank, group_world_size, global_ranks, ...), and the format strings of two of its warnings (a
   death signal received, a closing signal sent); the per-node agent says the first in one line of its own and
   drops the others, which repeat its own lines (flux_train/cluster/launch.py, ElasticLog). Tests:
-  tests/test_launch.py (the rendezvous line), tests/test_slurm_submit.py (each node's group rank).
+  tests/cluster/test_launch.py (the rendezvous line), tests/cluster/test_slurm_submit.py (each node's group rank).
 """
 
 from __future__ import annotations

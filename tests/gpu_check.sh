@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, by stage (logs under $OUT, a short summary printed last):
-#   bash tests/gpu_check.sh tests      GPU tests (Triton kernels vs references in bf16, graphed vs eager on 1 and 2 GPUs;
-#                                      GPU_TESTS_K="expr" selects some, as pytest -k)
+#   bash tests/gpu_check.sh tests      GPU tests: tests/gpu/, and the kernels' and FP8's tests of tests/unit
+#                                      on the GPU (Triton kernels vs references in bf16, graphed vs eager on 1 and 2
+#                                      GPUs; GPU_TESTS_K="expr" selects some, as pytest -k)
 #   bash tests/gpu_check.sh casts      the FP8 cast kernel alone at every operand shape of a batch-16 step, vs its byte floor
 #   bash tests/gpu_check.sh fwdbwd     one-GPU forward+backward bench, stock vs ours, FP8 (ours, torchao), ablations
 #                                      (FWDBWD_ROWS=a,b selects rows, ATTENTION=cudnn|flash|auto sets perf.attention,
@@ -35,6 +36,8 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 ROWS="$OUT/rows.jsonl"
 LIMIT=${STAGE_TIMEOUT:-420}
 ONE=${GPU:-0}
+# the unit tests that run on the GPU where there is one: the kernels' and FP8's
+ON_THE_GPU_TOO=(tests/unit/test_kernels.py tests/unit/test_fp8.py)
 DEPTH_SET=${DEPTH:+--set model.num_layers=${DEPTH% *} --set model.num_single_layers=${DEPTH#* }}
 bench() { timeout "$LIMIT" python3 -m flux_train.bench --json "$ROWS" "$@"; }
 tbench() { timeout "$LIMIT" torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.bench --json "$ROWS" "$@"; }
@@ -43,7 +46,7 @@ log() { echo "[$(date +%T)] $*"; }
 for stage in "$@"; do
   case $stage in
   tests)
-    timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -m "gpu or not slow" tests/test_kernels.py tests/test_gpu.py tests/test_fp8.py \
+    timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q tests/gpu "${ON_THE_GPU_TOO[@]}" \
       -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} >> "$OUT/gpu_tests.log" 2>&1
     log "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")" ;;
   fwdbwd)

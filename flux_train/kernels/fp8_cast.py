@@ -292,7 +292,7 @@ def _triton_counts(x: torch.Tensor, amax: torch.Tensor, impl: str, arrivals: tor
     None: the amax kernel). `auto` casts fp32 operands (train.compute_dtype=float32: the debug model) in torch ops:
     on an H100 the kernel's transposed output of fp32 operands came out wrong (an all-zero fp32 [256, 64] tensor's
     transpose held non-zero bytes; e4m3 NaNs in the debug model's step-1 weight gradients), while bf16 operands of
-    every shape match torch bit for bit (tests/test_gpu.py)."""
+    every shape match torch bit for bit (tests/gpu/test_gpu.py)."""
     if not (impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda and x.dtype != torch.float32)):
         return None
     if not kernels_run_on(x.device):

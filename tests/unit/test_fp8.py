@@ -1,0 +1,483 @@
+"""FP8 linear layers: the cast kernel (Triton's CPU interpreter) against its torch reference, the delayed scales'
+history logic, the recipes' numerics (CPU emulation of the same quantisation the GPU feeds torch._scaled_mm).
+An FP8 run's exact resume: tests/runs/test_checkpoint.py."""
+
+import pytest
+import torch
+from torch import nn
+
+from flux_train.config import ModelConfig, ParallelConfig, PerfConfig
+from flux_train.kernels.fp8 import FP8Linear, FP8Scaling, convert_to_fp8, e4m3_dtype, quantize
+from flux_train.kernels.fp8_cast import cast_transpose_torch
+
+TINY = ModelConfig(  # two blocks of a width FP8 takes (multiples of 16)
+    flavor="t",
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    axes_dims_rope=[4, 6, 6],
+)
+E4M3 = torch.float8_e4m3fn
+# the cast kernel runs on the GPU where there is one, else in Triton's CPU interpreter (conftest)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(
+    "arch,dtype",
+    [
+        (None, torch.float8_e4m3fn),  # NVIDIA (and the CPU emulation)
+        ("gfx942:sramecc+:xnack-", torch.float8_e4m3fnuz),  # MI300X / MI325X: the fnuz formats only
+        ("gfx942", torch.float8_e4m3fnuz),
+        ("gfx950:sramecc+:xnack-", torch.float8_e4m3fn),  # MI355X: OCP formats
+        ("gfx90a", torch.float8_e4m3fn),
+    ],
+)
+def test_e4m3_format_follows_the_gpu(arch, dtype):
+    assert e4m3_dtype(arch) == dtype
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize("dim", [None, 0, 1])
+def test_quantize_round_trip_within_e4m3_precision(dim, fp8):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=g) * torch.logspace(-3, 3, 48)  # outlier columns
+    q, scale = quantize(x, dim, fp8)
+    assert q.dtype == fp8
+    assert q.float().abs().max() <= torch.finfo(fp8).max  # 448 (fn) or 240 (fnuz)
+    back = q.float() * scale
+    # 3 mantissa bits: relative rounding error <= 2^-4 for values in the normal range of their scale group
+    normal = x.abs() >= scale * 2**-6
+    assert ((back - x).abs() <= x.abs() * 2**-4 + 1e-12)[normal].all()
+
+
+# ------------------------------------------------------------------------------------------ the cast kernel
+
+
+def no_counts():
+    """The cast's `arrivals` for current scaling by the amax kernel (kernels/fp8_cast.py)."""
+    return torch.empty(0, dtype=torch.int32, device=DEVICE)
+
+
+def counts(n=1):
+    """The cast's `arrivals` for delayed scaling: no amax kernel, the last program casts without a history."""
+    return torch.zeros(n, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (100, 200), (192, 48)])  # whole tiles, ragged edges, one column tile
+@pytest.mark.parametrize("history_scale", [0.0, 0.004])  # current scaling / a delayed scale (some values saturate)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize("counted", [False, True])  # the amax kernel first / the last program to arrive casts
+def test_cast_kernel_matches_its_torch_reference(shape, history_scale, fp8, counted):
+    """The Triton kernel scales, clamps, transposes, takes the amax and the column sums (a bias gradient) as the
+    torch reference does, whichever way it takes the amax without a history (the count is back to zero after).
+    Triton's interpreter does not convert to e4m3 faithfully (127.9 -> 64), so the kernel writes its values in
+    fp32 here, before the conversion; tests/gpu/test_gpu.py compares the e4m3 bits on a GPU."""
+    from flux_train.kernels.fp8_cast import _cast_transpose_triton
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 2).bfloat16()
+    x[3, 5] = -11.0  # the amax, negative
+    scale = torch.tensor(history_scale)
+    prior = torch.tensor([1.5])  # an earlier call's maximum (a previous micro-batch): kept if larger
+    amax_k, amax_t = prior.to(DEVICE), prior.clone()
+    fmax = torch.finfo(fp8).max
+    arrivals = counts() if counted else no_counts()
+    q, qt, s, sums = (
+        t.cpu()
+        for t in _cast_transpose_triton(
+            x.to(DEVICE), scale.to(DEVICE), amax_k, arrivals, torch.float32, fmax, True, True, True
+        )
+    )
+    if counted:
+        assert arrivals.item() == 0  # the count is reset for the next call
+    want_s = history_scale if history_scale else 11.0 / fmax
+    assert s.item() == pytest.approx(want_s, rel=1e-7)
+    assert amax_k.item() == 11.0
+    ref = (x.float() * (1.0 / s)).clamp(-fmax, fmax)
+    assert torch.equal(q, ref) and torch.equal(qt, ref.t())
+    assert torch.allclose(sums, x.double().sum(0).float(), rtol=1e-5, atol=1e-4)
+    # the torch path (CPU training) agrees on amax and scale, and its e4m3 values are the reference's rounded
+    q8, qt8, s8, sums8 = cast_transpose_torch(x, scale, amax_t, fp8, column_sums=True)
+    assert amax_t.item() == 11.0 and s8.item() == s.item()
+    assert torch.equal(q8.float(), ref.to(fp8).float()) and torch.equal(qt8, q8.t())
+    assert torch.allclose(sums8, sums, rtol=1e-5, atol=1e-4)
+    if history_scale:
+        assert (q.abs() == fmax).any()  # saturated, not wrapped or NaN
+
+
+@pytest.mark.parametrize("scales", [(0.0, 0.004), (0.003, 0.0), (0.0, 0.0)])  # current and delayed, either way round
+@pytest.mark.parametrize("counted", [False, True])
+def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales, counted):
+    """x and W of one GEMM cast in one launch (ragged tiles, more rows in either) give each operand the values,
+    both layouts, scale and amax that a launch of its own gives, counted or not, and the torch path agrees."""
+    from flux_train.kernels.fp8_cast import _cast_transpose_pair_triton, _cast_transpose_triton, cast_transpose_pair
+
+    g = torch.Generator().manual_seed(1)
+    for rows in ((100, 48), (40, 130)):
+        x, w = ((torch.randn(r, 200, generator=g) * 3).bfloat16() for r in rows)
+        w[2, 7] = 9.0
+        prior = torch.tensor([1.5, 20.0])  # an earlier call's maxima: x's raised, w's kept
+        amax_pair = prior.to(DEVICE)
+        scale_t = torch.tensor(scales)
+        arrivals = counts(2) if counted else no_counts()
+        pair = _cast_transpose_pair_triton(
+            x.to(DEVICE), w.to(DEVICE), scale_t.to(DEVICE), amax_pair, arrivals, torch.float32, 448.0
+        )
+        if counted:
+            assert arrivals.tolist() == [0, 0]  # each operand's count reset for the next call
+        xq, xq_t, xs, wq, wq_t, ws = (t.cpu() for t in pair)
+        singles = []
+        for i, t in enumerate((x, w)):
+            amax = prior[i : i + 1].to(DEVICE)
+            q, qt, s, _ = _cast_transpose_triton(
+                t.to(DEVICE), scale_t[i].to(DEVICE), amax, no_counts(), torch.float32, 448.0, True, False, True
+            )
+            singles.append((q.cpu(), qt.cpu(), s.cpu(), amax.cpu()))
+        assert torch.equal(xq, singles[0][0]) and torch.equal(xq_t, singles[0][1])
+        assert torch.equal(wq, singles[1][0]) and torch.equal(wq_t, singles[1][1])
+        assert torch.equal(xs, singles[0][2]) and torch.equal(ws, singles[1][2])
+        assert torch.equal(amax_pair.cpu(), torch.cat([singles[0][3], singles[1][3]]))
+        assert amax_pair[0].item() == x.float().abs().max().item() and amax_pair[1].item() == 20.0
+        amax_t = prior.clone()
+        tq = cast_transpose_pair(x, w, scale_t, amax_t, E4M3, impl="torch")
+        assert torch.equal(tq[2], xs) and torch.equal(tq[5], ws) and torch.equal(amax_t, amax_pair.cpu())
+        assert torch.equal(tq[3].float(), wq.to(E4M3).float()) and torch.equal(tq[1], tq[0].t())
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_cast_kernel_writes_only_the_transpose_when_asked(counted):
+    """The backward's cast of a weight gathered again (FP8Linear.recast_weight) writes only the transposed layout,
+    with the same values, scale and amax as the full cast."""
+    from flux_train.kernels.fp8_cast import _cast_transpose_triton
+
+    x = torch.randn(100, 200) * 3
+    both, one = (
+        [t.cpu() for t in _cast_transpose_triton(
+            x.to(DEVICE), torch.tensor(0.01, device=DEVICE), torch.zeros(1, device=DEVICE),
+            counts() if counted else no_counts(), torch.float32, 448.0, True, False, rows,
+        )]
+        for rows in (True, False)
+    )  # fmt: skip
+    assert one[0].numel() == 0 and torch.equal(one[1], both[1]) and torch.equal(one[2], both[2])
+
+
+def test_cast_kernel_keeps_nan_and_casts_zeros_to_zeros():
+    """A non-finite operand stays visible (the run's NaN check must see it); an all-zero gradient (the gates are
+    zero at init) casts to zeros with a finite scale."""
+    from flux_train.kernels.fp8_cast import _cast_transpose_triton
+
+    def cast(x, history):
+        out = _cast_transpose_triton(
+            x.to(DEVICE),
+            torch.tensor(history, device=DEVICE),
+            torch.zeros(1, device=DEVICE),
+            counts(),
+            torch.float32,
+            448.0,
+            True,
+            False,
+            True,
+        )
+        return [t.cpu() for t in out[:3]]
+
+    x = torch.ones(32, 64, dtype=torch.bfloat16)
+    x[7, 9] = float("nan")
+    q, _, _ = cast(x, 0.01)
+    assert q[7, 9].isnan() and torch.isfinite(q[~q.isnan()]).all()
+    q, qt, s = cast(torch.zeros(32, 64, dtype=torch.bfloat16), 0.0)
+    assert torch.isfinite(s) and s > 0 and not q.any() and not qt.any()
+
+
+# ------------------------------------------------------------------------------------------ delayed scales
+
+
+def fp8_layers(recipe="delayed", history=3, margin=0, n=2):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])
+    convert_to_fp8(model, recipe, E4M3, lambda fqn, m: isinstance(m, nn.Linear), history)
+    return model, FP8Scaling.of(model, torch.device("cpu"), margin)
+
+
+def train_step(model, scaling, x_scale: float, dy_scale: float = 1.0):
+    x = (torch.randn(32, 64) * x_scale).bfloat16().requires_grad_()
+    y = model(x)
+    y.backward(torch.randn_like(y) * dy_scale)
+    scaling.update()
+
+
+def test_delayed_scales_come_from_the_amax_history():
+    """First step: current scaling; then scale = max of the last H steps' maxima / max(e4m3), the newest first in
+    the history, a maximum dropping out after H steps; the step's maxima start again from zero."""
+    model, scaling = fp8_layers(history=3)
+    first = model[0]
+    fmax = torch.finfo(E4M3).max
+    assert not first.fp8_scale.any()  # no history: the first step scales from current maxima
+    seen = []
+    for step, x_scale in enumerate([8.0, 1.0, 1.0, 1.0]):
+        x = (torch.randn(32, 64) * x_scale).bfloat16()
+        seen.append(x.float().abs().max().item())
+        y = model(x.requires_grad_())
+        assert first.fp8_amax[0].item() == seen[-1]  # this step's maximum of x, taken by the cast
+        y.backward(torch.randn_like(y))
+        scaling.update()
+        assert first.fp8_history[0, 0].item() == seen[-1]  # newest first
+        window = seen[-3:]
+        assert first.fp8_scale[0].item() == pytest.approx(max(window) / fmax, rel=1e-6), step
+        assert not first.fp8_amax.any() and not first.fp8_amax_grad.any()
+    assert first.fp8_scale[0].item() < 8.0 / fmax / 2  # the step-0 outlier has left the 3-step window
+    w_amax = first.weight.detach().bfloat16().float().abs().max().item()
+    assert first.fp8_scale[1].item() == pytest.approx(w_amax / fmax, rel=1e-6)
+    assert first.fp8_scale[2].item() > 0  # dY's scale, from the backward's maxima
+
+
+def test_operands_without_history_are_counted_until_a_maximum_enters_and_again_once_it_leaves():
+    """What the bench's step rows wait on before timing: an operand whose history holds only zeros (no step yet,
+    or a gradient held at zero, as behind the zero-initialised gates) is cast alone from its current maximum."""
+    model, scaling = fp8_layers(history=3)
+    assert scaling.without_history() == 6  # 2 layers x (x, w, dY)
+    train_step(model, scaling, 1.0, dy_scale=0.0)
+    assert scaling.without_history() == 2  # the output gradients were zero
+    train_step(model, scaling, 1.0)
+    assert scaling.without_history() == 0
+    for _ in range(3):
+        train_step(model, scaling, 1.0, dy_scale=0.0)
+    assert scaling.without_history() == 2  # the last non-zero gradient has left the 3-step window
+
+
+def test_margin_and_overflow_count():
+    model, scaling = fp8_layers(history=2, margin=1)
+    train_step(model, scaling, 1.0)
+    fmax = torch.finfo(E4M3).max
+    assert model[0].fp8_scale[0].item() == pytest.approx(2 * model[0].fp8_history[0, 0].item() / fmax, rel=1e-6)
+    assert scaling.overflows.item() == 0  # the first step scales from current maxima: nothing can saturate
+    train_step(model, scaling, 1.0)
+    assert scaling.overflows.item() == 0  # same magnitudes, 2x headroom
+    train_step(model, scaling, 10.0)  # x of the first layer jumps 10x: beyond 2x headroom
+    assert scaling.overflows.item() >= 1
+    before = scaling.overflows.item()
+    train_step(model, scaling, 10.0)  # the history has caught up
+    assert scaling.overflows.item() - before == 0
+
+
+def test_forwards_outside_training_record_no_maxima():
+    model, scaling = fp8_layers()
+    with torch.no_grad():
+        model(torch.randn(32, 64).bfloat16() * 100)
+    assert not model[0].fp8_amax.any()
+
+
+def test_scaling_state_round_trips_and_resets():
+    model, scaling = fp8_layers(history=4)
+    for x_scale in (1.0, 3.0, 2.0):
+        train_step(model, scaling, x_scale)
+    state = scaling.state_dict()
+    other, other_scaling = fp8_layers(history=4)
+    other_scaling.load_state_dict(state)
+    assert torch.equal(other[1].fp8_scale, model[1].fp8_scale)
+    assert torch.equal(other[1].fp8_history, model[1].fp8_history)
+    with pytest.raises(ValueError, match="perf.fp8_amax_history=5"):
+        fp8_layers(history=5)[1].load_state_dict(state)
+    scaling.reset()
+    assert not any(m.fp8_history.any() or m.fp8_scale.any() for m in model)
+
+
+# ------------------------------------------------------------------------------------------ recipes
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "delayed"])
+def test_fp8_linear_forward_and_grads_track_full_precision(recipe):
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(64, 96)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 64, generator=g) * 0.05)
+        lin.bias.copy_(torch.randn(96, generator=g))
+    ref = nn.Linear(64, 96)
+    ref.load_state_dict(lin.state_dict())
+    convert_to_fp8(lin, recipe, E4M3, lambda fqn, m: True)
+    scaling = FP8Scaling.of(lin, torch.device("cpu"))
+    for step in range(3):  # delayed: the first step scales from current maxima, the next from the history
+        x = torch.randn(4, 32, 64, generator=g).bfloat16().requires_grad_()
+        dy = torch.randn(4, 32, 96, generator=g).bfloat16()
+        y = lin(x)
+        y.backward(dy)
+        x_ref = x.detach().float().requires_grad_()
+        y_ref = ref(x_ref)
+        y_ref.backward(dy.float())
+
+        def rel(a, want):
+            return ((a.float() - want).norm() / want.norm()).item()
+
+        assert y.dtype == torch.bfloat16 and lin.weight.grad.dtype == torch.float32
+        assert rel(y, y_ref) < 0.05, step
+        for got, want in ((x.grad, x_ref.grad), (lin.weight.grad, ref.weight.grad), (lin.bias.grad, ref.bias.grad)):
+            assert rel(got, want) < 0.06, step
+        for p in (*lin.parameters(), *ref.parameters()):
+            p.grad = None
+        if scaling is not None:
+            scaling.update()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_linear_casting_its_weight_again_in_backward_computes_the_same(recipe, dtype):
+    """FSDP's FP8 layers cast the weight again in the backward (recast_weight) instead of keeping its e4m3 copy: the
+    same bits, so the same output and gradients, over steps with and without a history; the output and the input
+    gradient come in the input's dtype (an fp32 model stays fp32 past its FP8 layers)."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 64, generator=g) * 0.05, torch.randn(96, generator=g)
+    batches = [(torch.randn(4, 32, 64, generator=g).to(dtype), torch.randn(4, 32, 96, generator=g)) for _ in range(3)]
+    grads = {}
+    for recast in (False, True):
+        lin = nn.Linear(64, 96).to(dtype)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+        convert_to_fp8(lin, recipe, E4M3, lambda fqn, m: True)
+        lin.recast_weight = recast
+        scaling = FP8Scaling.of(lin, torch.device("cpu"))
+        grads[recast] = []
+        for x, dy in batches:
+            x = x.clone().requires_grad_()
+            y = lin(x)
+            y.backward(dy.to(y.dtype))
+            assert y.dtype == x.grad.dtype == dtype
+            grads[recast] += [y.detach(), x.grad, lin.weight.grad, lin.bias.grad]
+            lin.weight.grad = lin.bias.grad = None
+            if scaling is not None:
+                scaling.update()
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
+@pytest.mark.parametrize("impl", ["ours", "torchao"])
+def test_fp8_conversion_swaps_only_the_token_linears_and_keeps_the_weights(impl):
+    """Ours and torchao's Float8Linear take the same modules (not the adaLN modulations, whose weight-gradient
+    GEMM has K = batch) and leave parameter names and values as they were, so checkpoints do not change."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from flux_train.model.flux import build_model, materialize
+    from flux_train.training.precision import precision_for
+
+    model = materialize(build_model(TINY), torch.device("cpu"), seed=0)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    precision_for(PerfConfig(fp8="tensorwise", fp8_impl=impl), torch.device("cpu")).convert(model)
+    fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, (FP8Linear, Float8Linear)))
+    assert fp8 == [
+        "double_blocks.0.img_attn.proj",
+        "double_blocks.0.img_attn.qkv",
+        "double_blocks.0.img_mlp.0",
+        "double_blocks.0.img_mlp.2",
+        "double_blocks.0.txt_attn.proj",
+        "double_blocks.0.txt_attn.qkv",
+        "double_blocks.0.txt_mlp.0",
+        "double_blocks.0.txt_mlp.2",
+        "single_blocks.0.linear1",
+        "single_blocks.0.linear2",
+    ]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_our_fp8_linears_carry_the_platform_format():
+    from flux_train.model.flux import build_model, is_token_linear
+
+    model = build_model(TINY)
+    convert_to_fp8(model, "rowwise", torch.float8_e4m3fnuz, is_token_linear)
+    fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert fp8 and all(m.fp8_dtype == torch.float8_e4m3fnuz and m.recipe.per_row for m in fp8)
+
+
+def test_shapes_not_divisible_by_16_fall_back_to_bf16():
+    lin = nn.Linear(10, 24).bfloat16()
+    ref = lin(torch.ones(3, 10, dtype=torch.bfloat16))
+    convert_to_fp8(lin, "delayed", E4M3, lambda fqn, m: True)
+    FP8Scaling.of(lin, torch.device("cpu"))
+    assert torch.equal(lin(torch.ones(3, 10, dtype=torch.bfloat16)), ref)
+
+
+def ddp_writes_fp8_weight_gradients_into_its_buckets_as_autograd_computes_them(compiled: bool) -> None:
+    """The ddp layout's first micro-batch takes each FP8 weight gradient where its GEMM wrote it, in the bucket:
+    no copy lands on an FP8 weight's slice, the parameter's gradient is a view of it. The second micro-batch adds
+    to it, so the buckets hold what plain autograd sums over both micro-batches (eager: bit for bit; compiled
+    regions: within a bf16 rounding)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flux_train.config import TrainConfig
+    from flux_train.model import flow
+    from flux_train.model.flux import build_model, materialize
+    from flux_train.training.ddp import DDP
+    from flux_train.training.distributed import build_mesh
+    from flux_train.training.perf import compile_blocks
+    from flux_train.training.precision import precision_for
+
+    device = torch.device(DEVICE)
+    model = materialize(build_model(TINY), device, seed=0).bfloat16()
+    with torch.no_grad():  # the reference init zeroes the last layers, and with them every block's gradient
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    precision = precision_for(PerfConfig(fp8="delayed"), device)
+    precision.convert(model)
+    precision.attach(model)
+    reference = copy.deepcopy(model)
+    weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    compile_blocks(model, "block" if compiled else "none")
+    compile_blocks(reference, "block" if compiled else "none")
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+
+    def batch():
+        return dict(
+            img=torch.randn(2, 64, 64, device=device, generator=g).bfloat16(),
+            img_ids=flow.image_ids(16, 16, device),
+            txt=torch.randn(2, 16, 4096, device=device, generator=g).bfloat16(),
+            txt_ids=flow.text_ids(16, device),
+            timesteps=torch.rand(2, device=device, generator=g).bfloat16(),
+            y=torch.randn(2, 768, device=device, generator=g).bfloat16(),
+        )
+
+    micro_batches = [batch(), batch()]
+
+    class CopiesInto(TorchDispatchMode):  # the destinations of every copy the hooks make
+        def __init__(self):
+            super().__init__()
+            self.destinations = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:
+                self.destinations.add(args[0].data_ptr())
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = build_mesh(ParallelConfig(strategy="ddp"), 1, 1, DEVICE)
+        ddp = DDP(model, mesh, TrainConfig(), torch.bfloat16, device, torch.bfloat16)
+        ddp.assign_weights(weights.items())
+        sinks = {sink.data_ptr() for _, sink in ddp._sinks}
+        assert len(sinks) == 10  # every token Linear of the two blocks
+        for index, kw in enumerate(micro_batches):
+            ddp.start_micro_batch(index, 2)
+            loss = model(**kw).float().square().mean()
+            with CopiesInto() as copies:
+                loss.backward()
+            if index == 0:
+                assert copies.destinations and not copies.destinations & sinks
+        ddp.finish_backward()
+        for kw in micro_batches:
+            reference(**kw).float().square().mean().backward()
+    finally:
+        dist.destroy_process_group()
+    got = {name: b.grad_of(i) for b in ddp.buckets for i, name in enumerate(b.names)}
+    for name, p in reference.named_parameters():
+        name = name.replace("._orig_mod", "")
+        want = p.grad
+        if compiled:
+            torch.testing.assert_close(got[name], want, rtol=0, atol=2e-2 * want.abs().max().item())
+        else:
+            assert torch.equal(got[name], want), name
+        assert want.abs().max() > 0, name
+
+
+def test_ddp_writes_fp8_weight_gradients_into_its_buckets_as_autograd_computes_them():
+    """Eager: bit for bit (compiled regions: tests/runs/test_fp8.py, a compile of minutes on a cold cache)."""
+    ddp_writes_fp8_weight_gradients_into_its_buckets_as_autograd_computes_them(compiled=False)
