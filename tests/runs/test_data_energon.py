@@ -36,6 +36,12 @@ RESUME = textwrap.dedent("""
 """)
 
 
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """The unit tests' fixture dataset (SPEC), written once for this module."""
+    return write_fixture(tmp_path_factory.mktemp("energon") / "ds", SPEC)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_state_restored_in_a_fresh_process_continues_exactly(dataset, tmp_path, workers):
