@@ -10,7 +10,8 @@ config's perf settings), `ours-fp8-<recipe>`, `torchao-fp8-<recipe>` (torchao's 
 and ablations `ours-no-graphs`, `ours-no-compile`, `ours-torch-rmsnorm`.
 `--mode step` (any number of GPUs, under torchrun): a whole training step at train.micro_batch_size per GPU.
 Rows: `stock` (diffusers + FSDP2 per block, per-block compile, fused AdamW, clipping: what a user would
-assemble) and `ours` (our Trainer's own step with the config as given: strategy, FP8, graphs, `--accum`);
+assemble; with parallel.activation_checkpointing, in this mode and in fwdbwd, diffusers' own gradient
+checkpointing of every block) and `ours` (our Trainer's own step with the config as given: strategy, FP8, graphs, `--accum`);
 `--profile` adds where the step's GPU time goes; the row also carries the eval rate (the trainer's evaluate
 path, val samples/s per GPU). Timed steps are steady ones: with FP8 delayed scaling, the steps until every amax
 history holds a maximum run first and are reported apart (`fp8_startup`).
@@ -142,10 +143,16 @@ def profile_breakdown(run, steps: int = 3, top: int = 25) -> tuple[dict, list]:
 
 
 def stock_flux(cfg: Config, device: str):
+    """diffusers' FluxTransformer2DModel at the config's sizes; with parallel.activation_checkpointing, diffusers' own
+    gradient checkpointing of every block: what a user of the stock model turns on to fit a larger micro-batch, so
+    that rows of ours with checkpointing have a stock row to compare with on the same terms."""
     from diffusers import FluxTransformer2DModel
 
     with torch.device(device):
-        return FluxTransformer2DModel(**diffusers_config(cfg.model))
+        model = FluxTransformer2DModel(**diffusers_config(cfg.model))
+    if cfg.parallel.activation_checkpointing:
+        model.enable_gradient_checkpointing()
+    return model
 
 
 def row_perf(cfg: Config, row: str) -> PerfConfig:
@@ -222,7 +229,7 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
         "warm_s": round(warm, 1),
         "graphs": graphs,
-        "activation_checkpointing": cfg.parallel.activation_checkpointing and not row.startswith("stock"),
+        "activation_checkpointing": cfg.parallel.activation_checkpointing,
     }
     if precision.recipe.fp8:
         result["fp8_impl"] = row_perf(cfg, row).fp8_impl
@@ -384,7 +391,13 @@ def run_step(cfg: Config, args, row: str) -> dict:
     base["attention"] = row_attention(cfg, row)  # the trainer selects perf.attention again, the same way
     if row == "stock":
         seconds, warm, profile = stock_fsdp_step(cfg, args)
-        base |= {"precision": "bf16", "label": "stock diffusers + FSDP2 (per-block compile, fused AdamW)"}
+        checkpointed = cfg.parallel.activation_checkpointing
+        base |= {
+            "precision": "bf16",
+            "activation_checkpointing": checkpointed,
+            "label": "stock diffusers + FSDP2 (per-block compile, fused AdamW"
+            + (", diffusers' gradient checkpointing)" if checkpointed else ")"),
+        }
     else:
         seconds, warm, profile, measured = trainer_step(cfg, args)
         base |= {

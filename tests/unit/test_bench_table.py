@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from flux_train.config import load_config
+from flux_train.model.diffusers_adapter import diffusers_inputs
 from flux_train.tools import bench, bench_table
+from tests.unit.test_model import inputs64
 
 STOCK = {
     "mode": "fwdbwd",
@@ -173,3 +175,24 @@ def test_step_rows_settle_fp8_until_every_operand_has_an_amax_history(tmp_path):
     finally:
         trainer.close()
         distributed.shutdown()
+
+
+def test_stock_rows_checkpoint_every_block_with_diffusers_own_when_ours_do():
+    """With parallel.activation_checkpointing the stock model recomputes each block's forward in backward (diffusers'
+    enable_gradient_checkpointing), so a checkpointed row of ours has a stock row on the same terms; its gradients
+    are those of the model without."""
+    plain = bench.stock_flux(load_config("configs/debug.yaml"), "cpu").double()
+    cfg = load_config("configs/debug.yaml", ["parallel.activation_checkpointing=true"])
+    checkpointed = bench.stock_flux(cfg, "cpu").double()
+    checkpointed.load_state_dict(plain.state_dict())
+    kw = diffusers_inputs(inputs64(cfg.model))
+    calls = []
+    blocks = [*checkpointed.transformer_blocks, *checkpointed.single_transformer_blocks]
+    for block in blocks:
+        block.register_forward_pre_hook(lambda *_: calls.append(1))
+    grads = []
+    for model in (plain, checkpointed):
+        model(**kw)[0].square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert len(calls) == 2 * len(blocks)  # each block's forward, and again in backward
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
