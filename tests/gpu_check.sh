@@ -23,9 +23,10 @@
 #                                      FP8, accumulation 4, graphs), profiles, eval rate, step efficiency refs
 #   bash tests/gpu_check.sh trainer    the trainer itself on all GPUs, the whole model as a system config runs it
 #                                      (TRAINER_CONFIG, default configs/systems/H100_01x04.yaml) on synthetic data of
-#                                      the bench's shapes: TRAINER_STEPS (30) steps with a checkpoint at the end, then
-#                                      the same command resumed for 5 more and an eval (TRAINER_DIR the run folder:
-#                                      the 12B checkpoint is ~143 GB; FP8=delayed for FP8)
+#                                      the bench's shapes, TRAINER_STEPS (30) steps: preempted after the first logged step
+#                                      (SIGUSR2: a checkpoint, exit 75), then the same command resumed to the end, an
+#                                      eval and a final save (TRAINER_DIR the run folder: the 12B checkpoint is
+#                                      ~143 GB; FP8=delayed for FP8)
 #   bash tests/gpu_check.sh checkpoint save/load and async-save timings of the trainer's full state on all GPUs,
 #                                      flux-schnell's width at reduced depth (the 12B state, ~167 GB, is larger
 #                                      than some machines' disks); the GB/s rates carry over to the full model
@@ -156,19 +157,25 @@ EOF
       --set perf.fp8_impl=torchao > "$OUT/step_simple.log" 2>&1 || log "simple step failed"
     log "step-more stage done" ;;
   trainer)
-    RUN=${TRAINER_DIR:-/tmp/flux_trainer_run} N=${TRAINER_STEPS:-30}
+    RUN=${TRAINER_DIR:-/tmp/flux_trainer_run} N=${TRAINER_STEPS:-30} DEADLINE=$((SECONDS + ${TRAINER_TIMEOUT:-540}))
     TRAIN=(torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.train
       --config "${TRAINER_CONFIG:-configs/systems/H100_01x04.yaml}" --set logging.out_dir="$RUN"
       --set data.source=synthetic --set data.synthetic_text_len=256 --set data.synthetic_latent_size=32
-      --set perf.warmup_latent_size=32 --set data.synthetic_train_samples=4096 --set data.synthetic_val_samples=256
-      --set perf.fp8="${FP8:-none}" --set logging.log_every=5 --set checkpoint.every_steps="$N")
+      --set perf.warmup_latent_size=32 --set data.synthetic_train_samples=512 --set data.synthetic_val_samples=256
+      --set perf.fp8="${FP8:-none}" --set logging.log_every=5 --set train.max_steps="$N" --set eval.every_steps="$N")
     rm -rf "$RUN"
-    timeout "${TRAINER_TIMEOUT:-540}" "${TRAIN[@]}" --set train.max_steps="$N" > "$OUT/trainer.log" 2>&1 \
-      || log "trainer run failed: see trainer.log"
-    # resumed from the checkpoint at step N; five steps on, an eval on the step cadence and the final save
-    timeout "${TRAINER_TIMEOUT:-540}" "${TRAIN[@]}" --set train.max_steps=$((N + 5)) --set eval.every_steps=$((N + 5)) \
-      > "$OUT/trainer_resumed.log" 2>&1 || log "trainer resume failed: see trainer_resumed.log"
-    grep -h "^step \|resum\|finished\|saved\|stopped" "$OUT/trainer.log" "$OUT/trainer_resumed.log" | tee "$OUT/trainer.txt"
+    # preempted as Slurm would (SIGUSR2 to the workers) at the first logged step: a checkpoint at the next one
+    # and exit 75; then the same command resumes from it, runs to step N, evaluates and saves
+    "${TRAIN[@]}" > "$OUT/trainer.log" 2>&1 &
+    AGENT=$!
+    until grep -q "^step " "$OUT/trainer.log" || ! kill -0 $AGENT 2>/dev/null || [ $SECONDS -gt $DEADLINE ]; do
+      sleep 2
+    done
+    pkill -USR2 -P $AGENT
+    wait $AGENT; log "trainer: the preempted run exited $? (torchrun says 1 when its workers stop with 75, saved)"
+    timeout $((DEADLINE - SECONDS)) "${TRAIN[@]}" > "$OUT/trainer_resumed.log" 2>&1; log "trainer: the resumed run exited $?"
+    grep -h "^step \|resum\|finished\|saved\|stopped\|val_loss" "$OUT/trainer.log" "$OUT/trainer_resumed.log" \
+      | tee "$OUT/trainer.txt"
     rm -rf "$RUN"
     log "trainer stage done" ;;
   checkpoint)
