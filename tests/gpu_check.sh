@@ -22,7 +22,7 @@
 #   bash tests/gpu_check.sh step       full flux-schnell training step on all GPUs: stock FSDP2 vs ours (fsdp, ddp,
 #                                      FP8, accumulation 4, graphs), profiles, eval rate, step efficiency refs
 #   bash tests/gpu_check.sh trainer    the trainer itself on all GPUs, the whole model as a system config runs it
-#                                      (TRAINER_CONFIG, default configs/systems/H100_01x04.yaml) on synthetic data of
+#                                      (TRAINER_CONFIG, default configs/systems/H100_01x04.yaml, H200_01x04 on H200s) on synthetic data of
 #                                      the bench's shapes, TRAINER_STEPS (30) steps: preempted after the first logged step
 #                                      (SIGUSR2: a checkpoint, exit 75), then the same command resumed to the end, an
 #                                      eval and a final save (TRAINER_DIR the run folder: the 12B checkpoint is
@@ -48,6 +48,7 @@ DEPTH_SET=${DEPTH:+--set model.num_layers=${DEPTH% *} --set model.num_single_lay
 bench() { timeout "$LIMIT" python3 -m flux_train.bench --json "$ROWS" "$@"; }
 tbench() { timeout "$LIMIT" torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.bench --json "$ROWS" "$@"; }
 log() { echo "[$(date +%T)] $*"; }
+kind() { python3 -c "import torch; print('H200' if 'H200' in torch.cuda.get_device_name() else 'H100')"; }
 
 for stage in "$@"; do
   case $stage in
@@ -159,7 +160,7 @@ EOF
   trainer)
     RUN=${TRAINER_DIR:-/tmp/flux_trainer_run} N=${TRAINER_STEPS:-30} DEADLINE=$((SECONDS + ${TRAINER_TIMEOUT:-540}))
     TRAIN=(torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.train
-      --config "${TRAINER_CONFIG:-configs/systems/H100_01x04.yaml}" --set logging.out_dir="$RUN"
+      --config "${TRAINER_CONFIG:-configs/systems/$(kind)_01x04.yaml}" --set logging.out_dir="$RUN"
       --set data.source=synthetic --set data.synthetic_text_len=256 --set data.synthetic_latent_size=32
       --set perf.warmup_latent_size=32 --set data.synthetic_train_samples=512 --set data.synthetic_val_samples=256
       --set perf.fp8="${FP8:-none}" --set logging.log_every=5 --set train.max_steps="$N" --set eval.every_steps="$N")
