@@ -22,11 +22,11 @@
 #   bash tests/gpu_check.sh step       full flux-schnell training step on all GPUs: stock FSDP2 vs ours (fsdp, ddp,
 #                                      FP8, accumulation 4, graphs), profiles, eval rate, step efficiency refs
 #   bash tests/gpu_check.sh trainer    the trainer itself on all GPUs, the whole model as a system config runs it
-#                                      (TRAINER_CONFIG, default configs/systems/H100_01x04.yaml, H200_01x04 on H200s) on synthetic data of
-#                                      the bench's shapes, TRAINER_STEPS (30) steps: preempted after the first logged step
-#                                      (SIGUSR2: a checkpoint, exit 75), then the same command resumed to the end, an
-#                                      eval and a final save (TRAINER_DIR the run folder: the 12B checkpoint is
-#                                      ~143 GB; FP8=delayed for FP8)
+#                                      (TRAINER_CONFIG; default configs/systems/H100_01x04.yaml, H200_01x04.yaml on
+#                                      H200s) on synthetic data of the bench's shapes, TRAINER_STEPS (30) steps:
+#                                      preempted after the first logged step (SIGUSR2: a checkpoint, exit 75), then
+#                                      the same command resumed to the end, an eval and a final save (TRAINER_DIR the
+#                                      run folder: the 12B checkpoint is ~143 GB; FP8=delayed for FP8)
 #   bash tests/gpu_check.sh checkpoint save/load and async-save timings of the trainer's full state on all GPUs,
 #                                      flux-schnell's width at reduced depth (the 12B state, ~167 GB, is larger
 #                                      than some machines' disks); the GB/s rates carry over to the full model
