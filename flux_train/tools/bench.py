@@ -11,7 +11,8 @@ and ablations `ours-no-graphs`, `ours-no-compile`, `ours-torch-rmsnorm`.
 `--mode step` (any number of GPUs, under torchrun): a whole training step at train.micro_batch_size per GPU.
 Rows: `stock` (diffusers + FSDP2 per block, per-block compile, fused AdamW, clipping: what a user would
 assemble; with parallel.activation_checkpointing, in this mode and in fwdbwd, diffusers' own gradient
-checkpointing of every block) and `ours` (our Trainer's own step with the config as given: strategy, FP8, graphs, `--accum`);
+checkpointing of every block) and `ours` (our Trainer's own step with the config as given: strategy, FP8, graphs,
+`--accum`);
 `--profile` adds where the step's GPU time goes; the row also carries the eval rate (the trainer's evaluate
 path, val samples/s per GPU). Timed steps are steady ones: with FP8 delayed scaling, the steps until every amax
 history holds a maximum run first and are reported apart (`fp8_startup`).

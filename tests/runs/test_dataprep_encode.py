@@ -8,7 +8,7 @@ import tarfile
 import numpy as np
 import torch
 from PIL import Image
-from tiny_models import WORDS
+from tiny_models import WORDS, encoder_flags
 
 from dataprep import images
 from dataprep.__main__ import main
@@ -21,21 +21,6 @@ def image_bytes(size, fmt, seed):
     buf = io.BytesIO()
     Image.fromarray(array).save(buf, format=fmt)
     return buf.getvalue()
-
-
-def encoder_args(models):
-    return [
-        "--t5",
-        str(models / "t5"),
-        "--t5-tokenizer",
-        str(models / "tokenizer"),
-        "--clip",
-        str(models / "clip"),
-        "--clip-tokenizer",
-        str(models / "tokenizer"),
-        "--device",
-        "cpu",
-    ]
 
 
 def cc12m_shard(path):
@@ -84,7 +69,7 @@ def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it
         str(out),
         "--vae",
         str(tiny_models / "vae"),
-        *encoder_args(tiny_models),
+        *encoder_flags(tiny_models),
         "--batch-size",
         "2",
     ]
@@ -109,12 +94,12 @@ def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it
                 str(out),
                 "--vae",
                 str(tiny_models / "vae"),
-                *encoder_args(tiny_models),
+                *encoder_flags(tiny_models),
             ]
         )
         == 0
     )
-    assert main(["empty-encodings", "--out", str(out), *encoder_args(tiny_models)]) == 0
+    assert main(["empty-encodings", "--out", str(out), *encoder_flags(tiny_models)]) == 0
     prepare(out, workers=1, quiet=True)
     capsys.readouterr()
     assert main(["verify", str(out), "--workers", "0"]) == 0, capsys.readouterr().out  # full size 256,32,32
@@ -160,7 +145,7 @@ def test_wrong_encoder_weights_stop_before_a_wrong_dataset(tiny_models, tmp_path
         T5Config(vocab_size=16, d_model=64, d_kv=8, d_ff=16, num_layers=1, num_heads=2, decoder_start_token_id=0)
     ).save_pretrained(tmp_path / "t5-base-like")
     image_dir, tsv = coco_folder(tmp_path / "coco")
-    args = encoder_args(tiny_models)
+    args = encoder_flags(tiny_models)
     args[args.index("--t5") + 1] = str(tmp_path / "t5-base-like")
     rc = main(
         [

@@ -9,6 +9,7 @@ import pytest
 import run_outputs
 import torch
 from PIL import Image
+from tiny_models import encoder_flags
 
 from flux_train.config import load_config
 from flux_train.model.diffusers_adapter import to_diffusers
@@ -55,21 +56,9 @@ def prompts(tmp_path):
     return path
 
 
-def model_args(models, vae=None):
-    return [
-        "--vae",
-        str(vae or models / "vae"),
-        "--t5",
-        str(models / "t5"),
-        "--t5-tokenizer",
-        str(models / "tokenizer"),
-        "--clip",
-        str(models / "clip"),
-        "--clip-tokenizer",
-        str(models / "tokenizer"),
-        "--device",
-        "cpu",
-    ]
+def sample_flags(models, vae=None):
+    """The tiny encoders' flags with a VAE: the tiny one unless `vae` names another."""
+    return encoder_flags(models, vae or models / "vae")
 
 
 def cells(grid: Image.Image, size: int, columns: int) -> list[np.ndarray]:
@@ -97,7 +86,7 @@ def test_sample_command_writes_a_grid_of_the_asked_size(trained, tiny_models, pr
             "2",
             "--exported",
             str(exported),
-            *model_args(tiny_models),
+            *sample_flags(tiny_models),
         ]
     )
     assert rc == 0, capsys.readouterr().err
@@ -130,17 +119,17 @@ def test_bad_inputs_end_in_one_line(trained, tiny_models, prompts, tmp_path, cap
     base = ["--prompts", str(prompts), "--out", str(tmp_path / "grid.png")]
     cases = [
         (
-            ["--checkpoint", str(trained / "checkpoints"), *model_args(tiny_models, vae)],
+            ["--checkpoint", str(trained / "checkpoints"), *sample_flags(tiny_models, vae)],
             f"error: the VAE in {vae} has scaling_factor 0.18215, shift_factor None; the model was trained with "
             "train.latent_scale 0.3611, latent_shift 0.1159: give FLUX.1-schnell's vae/",
         ),
         (
-            ["--checkpoint", str(tmp_path), *model_args(tiny_models)],
+            ["--checkpoint", str(tmp_path), *sample_flags(tiny_models)],
             f"error: --checkpoint {tmp_path}: no complete checkpoint there (a step_XXXXXXXX folder with progress.pt, "
             "or the folder holding them)",
         ),
         (
-            ["--checkpoint", str(trained / "checkpoints"), "--size", "40", *model_args(tiny_models)],
+            ["--checkpoint", str(trained / "checkpoints"), "--size", "40", *sample_flags(tiny_models)],
             "error: --size 40: must be a positive multiple of 16 (VAE 8x, then 2x2 patches)",
         ),
     ]
@@ -179,7 +168,7 @@ def test_outputs_that_cannot_be_written_end_in_one_line(trained, tiny_models, pr
         ),
     ]
     for args, code, line in cases:
-        assert sample.main([*base, *args, *model_args(tiny_models)]) == code
+        assert sample.main([*base, *args, *sample_flags(tiny_models)]) == code
         err = capsys.readouterr().err
         assert err.startswith(line) and len(err.splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "prompts.txt"]
@@ -246,7 +235,7 @@ def test_trainer_draws_the_grid_the_command_draws_after_each_eval_s_mllog_events
                 str(prompts),
                 "--out",
                 str(drawn),
-                *model_args(tiny_models),
+                *sample_flags(tiny_models),
             ]
         )
         == 0

@@ -9,6 +9,19 @@ import torch
 WORDS = "a photo of cat dog red blue green on the".split()
 
 
+def encoder_flags(models: Path, vae: Path | None = None) -> list[str]:
+    """The command-line flags naming the tiny encoders (and a VAE folder, where given), on the CPU."""
+    flags = ["--vae", str(vae)] if vae else []
+    for name, folder in (
+        ("--t5", "t5"),
+        ("--t5-tokenizer", "tokenizer"),
+        ("--clip", "clip"),
+        ("--clip-tokenizer", "tokenizer"),
+    ):
+        flags += [name, str(models / folder)]
+    return [*flags, "--device", "cpu"]
+
+
 def write_tiny_models(root: Path) -> Path:
     from diffusers import AutoencoderKL
     from tokenizers import Tokenizer, pre_tokenizers, processors
