@@ -14,7 +14,8 @@
 #                                      and forward+backward of the same model for the step efficiency (FP8=delayed
 #                                      for FP8, MBS="16 4" the micro-batches, ACCUM=n accumulation)
 #   bash tests/gpu_check.sh fp8-numerics   STEPS (1000) steps bf16 vs FP8 (delayed) on a learnable synthetic stream
-#                                      (1 GPU, 4 + 8 blocks): the losses' largest gap after step 100, FP8 overflows
+#                                      (1 GPU, 4 + 8 blocks): the losses' largest gap after step 100, FP8 overflows;
+#                                      FP8_GPU=m runs the FP8 run on GPU m beside the bf16 one
 #   bash tests/gpu_check.sh step-small two-GPU training step at flux-schnell's width and 6 + 12 blocks, micro-batch 8:
 #                                      stock FSDP2, ours ddp bf16 and FP8 delayed, graphs on and off (80 GB GPUs;
 #                                      DEPTH="19 38" the full model on two H200, VARIANTS="none:false delayed:true"
@@ -87,10 +88,13 @@ for stage in "$@"; do
          --set train.global_batch_size=8 --set train.lr=1e-4 --set train.warmup_steps=20 --set train.max_steps=${STEPS:-1000}
          --set eval.enabled=false --set logging.log_every=10 --set logging.progress_bar=false --set parallel.strategy=ddp
          --set checkpoint.every_steps=0 --set perf.attention=auto --set perf.fp8_impl=ours"
-    for fp8 in none delayed; do
-      CUDA_VISIBLE_DEVICES=$ONE python3 -m flux_train.train $NUM --set perf.fp8=$fp8 --set logging.out_dir="$OUT/num_$fp8" \
-        > "$OUT/num_$fp8.log" 2>&1 || log "fp8 numerics $fp8 failed: see num_$fp8.log"
+    for fp8 in none delayed; do  # side by side where FP8_GPU names a second GPU (each run needs ~40 GB)
+      gpu=$ONE; [ $fp8 = delayed ] && gpu=${FP8_GPU:-$ONE}
+      CUDA_VISIBLE_DEVICES=$gpu python3 -m flux_train.train $NUM --set perf.fp8=$fp8 --set logging.out_dir="$OUT/num_$fp8" \
+        > "$OUT/num_$fp8.log" 2>&1 || log "fp8 numerics $fp8 failed: see num_$fp8.log" &
+      [ "${FP8_GPU:-$ONE}" = "$ONE" ] && wait
     done
+    wait
     python3 - "$OUT" <<'EOF' | tee "$OUT/fp8_numerics.txt"
 import json, sys
 def rows(tag):
