@@ -2,7 +2,9 @@
 # Everything that needs GPUs, by stage (logs under $OUT, a short summary printed last):
 #   bash tests/gpu_check.sh tests      GPU tests: tests/gpu/, and the kernels' and FP8's tests of tests/unit
 #                                      on the GPU (Triton kernels vs references in bf16, graphed vs eager on 1 and 2
-#                                      GPUs; GPU_TESTS_K="expr" selects some, as pytest -k)
+#                                      GPUs, the layouts at 4; GPU_TESTS_K="expr" selects some, as pytest -k): on 4+
+#                                      GPUs four groups side by side (~9 min), else one after another (over 20 min;
+#                                      TESTS_TIMEOUT, 1500 s, cuts each group)
 #   bash tests/gpu_check.sh casts      the FP8 cast kernel alone at every operand shape of a batch-16 step, vs its byte floor
 #   bash tests/gpu_check.sh fwdbwd     one-GPU forward+backward bench, stock vs ours, FP8 (ours, torchao), ablations
 #                                      (FWDBWD_ROWS=a,b selects rows, ATTENTION=cudnn|flash|auto sets perf.attention,
@@ -49,14 +51,29 @@ DEPTH_SET=${DEPTH:+--set model.num_layers=${DEPTH% *} --set model.num_single_lay
 bench() { timeout "$LIMIT" python3 -m flux_train.bench --json "$ROWS" "$@"; }
 tbench() { timeout "$LIMIT" torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.bench --json "$ROWS" "$@"; }
 log() { echo "[$(date +%T)] $*"; }
+gpu_tests() {  # name, CUDA_VISIBLE_DEVICES, pytest's arguments: each test's outcome in gpu_tests.log as it ends
+  local name=$1 gpus=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpus timeout "${TESTS_TIMEOUT:-1500}" python3 -m pytest -v -p no:cacheprovider --durations=8 \
+    "$@" > "$OUT/gpu_tests_$name.log" 2>&1
+  grep -E " (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/gpu_tests_$name.log" | sed "s/^/[$name] /" >> "$OUT/gpu_tests.log"
+  log "gpu tests ($name): $(tail -n 1 "$OUT/gpu_tests_$name.log")"
+}
 kind() { python3 -c "import torch; print('H200' if 'H200' in torch.cuda.get_device_name() else 'H100')"; }
 
 for stage in "$@"; do
   case $stage in
   tests)
-    timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q tests/gpu "${ON_THE_GPU_TOO[@]}" \
-      -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} >> "$OUT/gpu_tests.log" 2>&1
-    log "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")" ;;
+    if [ "$NGPU" -ge 4 ] && [ -z "${GPU_TESTS_K:-}" ]; then
+      # four groups side by side (the tests are small: they share GPUs), about 9 minutes instead of over 20
+      MULTI="four_ranks or two_gpus or trainer_graphed_steps"
+      gpu_tests four 0,1,2,3 tests/gpu/test_gpu.py -k four_ranks &
+      gpu_tests two 0,1 tests/gpu/test_gpu.py -k "two_gpus or trainer_graphed_steps" &
+      gpu_tests one 2 tests/gpu -k "not ($MULTI or user_first)" &
+      gpu_tests kernels 3 "${ON_THE_GPU_TOO[@]}" tests/gpu/test_gpu.py::test_fp8_runs_the_debug_model_as_a_user_first_does &
+      wait
+    else
+      gpu_tests all "$ONE" tests/gpu "${ON_THE_GPU_TOO[@]}" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"}
+    fi ;;
   fwdbwd)
     ALL=stock-eager,stock,ours,ours-fp8-delayed,ours-fp8-tensorwise,ours-fp8-rowwise,torchao-fp8-tensorwise,torchao-fp8-rowwise,ours-no-graphs,ours-no-compile,ours-torch-rmsnorm
     for batch in ${BATCH:-16}; do
