@@ -24,6 +24,12 @@
 #                                      our rows as FP8 recipe:graphs, EXTRA="--set k=v" more settings)
 #   bash tests/gpu_check.sh step       full flux-schnell training step on all GPUs: stock FSDP2 vs ours (fsdp, ddp,
 #                                      FP8, accumulation 4, graphs), profiles, eval rate, step efficiency refs
+#   bash tests/gpu_check.sh whole      the whole model at GBS 512 on all GPUs, with accumulation, in the system
+#                                      config of the host's kind (WHOLE_CONFIG; configs/systems/H100_01x04.yaml on 4
+#                                      H100), profiled: stock FSDP2 at micro-batch 8 without checkpointing, stock with
+#                                      diffusers' checkpointing, ours bf16 and FP8 delayed, in the config's layout
+#                                      and micro-batch (WHOLE_MB sets another); WHOLE_ROWS="stock stock-ac bf16 fp8" picks (each row 2.5-4
+#                                      minutes on 4 H100: two rows fit a 10-minute call)
 #   bash tests/gpu_check.sh trainer    the trainer itself on all GPUs, the whole model as a system config runs it
 #                                      (TRAINER_CONFIG; default configs/systems/H100_01x04.yaml, H200_01x04.yaml on
 #                                      H200s) on synthetic data of the bench's shapes, TRAINER_STEPS (30) steps:
@@ -178,6 +184,21 @@ EOF
     NCCL_PROTO=Simple tbench $STEP --rows ours --set parallel.strategy=ddp --set perf.fp8=tensorwise \
       --set perf.fp8_impl=torchao > "$OUT/step_simple.log" 2>&1 || log "simple step failed"
     log "step-more stage done" ;;
+  whole)  # the whole model at GBS 512 on all GPUs in the system config of the host's kind, each row profiled
+    SYS=${WHOLE_CONFIG:-configs/systems/$(kind)_01x0$NGPU.yaml}
+    MB=${WHOLE_MB:-$(python3 -c "from flux_train.config import load_config; print(load_config('$SYS').train.micro_batch_size)")}
+    WHOLE="--mode step --config $SYS --steps 2 ${NO_PROFILE:---profile} --set train.micro_batch_size=$MB"
+    for row in ${WHOLE_ROWS:-stock stock-ac bf16 fp8}; do
+      case $row in
+        stock) tbench --mode step --config "$SYS" --steps 2 ${NO_PROFILE:---profile} --rows stock \
+                 --set parallel.activation_checkpointing=false --set train.micro_batch_size=8 --accum $((512 / (8 * NGPU))) ;;
+        stock-ac) tbench $WHOLE --rows stock --accum $((512 / (MB * NGPU))) ;;
+        bf16) tbench $WHOLE --rows ours --accum $((512 / (MB * NGPU))) --set perf.warmup_iters=1 ;;
+        fp8) tbench $WHOLE --rows ours --accum $((512 / (MB * NGPU))) --set perf.warmup_iters=1 --set perf.fp8=delayed ;;
+        *) echo "unknown whole row $row (stock, stock-ac, bf16, fp8)"; exit 2 ;;
+      esac >> "$OUT/whole_$row.log" 2>&1 || log "whole $row failed: see whole_$row.log"
+      log "whole $row: $(grep -h '^ROW' "$OUT/whole_$row.log" | tail -1 | cut -c1-160)"
+    done ;;
   trainer)
     RUN=${TRAINER_DIR:-/tmp/flux_trainer_run} N=${TRAINER_STEPS:-30} DEADLINE=$((SECONDS + ${TRAINER_TIMEOUT:-540}))
     TRAIN=(torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.train
