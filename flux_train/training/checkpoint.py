@@ -287,6 +287,11 @@ def _on_every_rank(what: Path, write: Callable[[], object], group=None) -> None:
         raise_on_every_rank(StorageError(f"writing checkpoint {what} failed ({failed})"), dist.get_rank() == 0)
 
 
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files under `folder` (a checkpoint's size on disk)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
 def _free_bytes(folder: Path) -> int:
     try:
         return shutil.disk_usage(folder).free

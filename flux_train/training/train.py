@@ -200,8 +200,11 @@ class Trainer:
     def _resume(self) -> None:
         """The checkpoint's state, after the warm-up (whose steps would overwrite the optimizer's moments)."""
         assert self.resume_from is not None  # run() resumes only where the run folder chose a checkpoint
+        started = time.monotonic()
         checkpoint.load(self.resume_from, self.parts)
-        self._say(f"resumed from {self.resume_from} at step {self.state.step}")
+        self._say(
+            f"resumed from {self.resume_from} at step {self.state.step} (read in {time.monotonic() - started:.1f} s)"
+        )
 
     @property
     def parts(self) -> dict[str, Stateful]:
@@ -210,8 +213,14 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         self.heartbeat.beat(self.state.step, "checkpoint")
+        started = time.monotonic()
         path = self.checkpointer.save(self.state.step, self.parts)
-        self._say(f"{'saving' if self.checkpointer.async_save else 'saved'} checkpoint {path}")
+        took = time.monotonic() - started
+        if self.checkpointer.async_save:  # the write goes on in the background
+            self._say(f"saving checkpoint {path} (training paused {took:.1f} s for the copy to host memory)")
+        elif self.dist.is_main:  # a 12B model's state is 143 GB: how fast this storage writes it matters
+            gb = checkpoint.folder_bytes(path) / 1e9
+            self._say(f"saved checkpoint {path}: {gb:.3g} GB in {took:.1f} s ({gb / max(took, 1e-3):.2f} GB/s)")
         return path
 
     def close(self) -> None:
