@@ -34,8 +34,10 @@
 #                                      (TRAINER_CONFIG; default configs/systems/H100_01x04.yaml, H200_01x04.yaml on
 #                                      H200s) on synthetic data of the bench's shapes, TRAINER_STEPS (30) steps:
 #                                      preempted after the first logged step (SIGUSR2: a checkpoint, exit 75), then
-#                                      the same command resumed to the end, an eval and a final save (TRAINER_DIR the
-#                                      run folder: the 12B checkpoint is ~143 GB; FP8=delayed for FP8)
+#                                      the same command resumed to the end, an eval and a final save where a second
+#                                      checkpoint fits (TRAINER_DIR the run folder, default in /dev/shm where the
+#                                      12B state, 143 GB, fits; FP8=delayed for FP8; TRAINER_PHASE=preempt, then
+#                                      resume: the two runs in two calls; each run cut at TRAINER_TIMEOUT, 560 s)
 #   bash tests/gpu_check.sh checkpoint save/load and async-save timings of the trainer's full state on all GPUs,
 #                                      flux-schnell's width at reduced depth (the 12B state, ~167 GB, is larger
 #                                      than some machines' disks); the GB/s rates carry over to the full model
@@ -47,7 +49,7 @@ OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # what the nvidia env profile sets on Slurm
-NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+NGPU=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}  # NGPU=2: a CPU rehearsal (trainer)
 ROWS="$OUT/rows.jsonl"
 LIMIT=${STAGE_TIMEOUT:-420}
 ONE=${GPU:-0}
@@ -200,26 +202,48 @@ EOF
       log "whole $row: $(grep -h '^ROW' "$OUT/whole_$row.log" | tail -1 | cut -c1-160)"
     done ;;
   trainer)
-    RUN=${TRAINER_DIR:-/tmp/flux_trainer_run} N=${TRAINER_STEPS:-30} DEADLINE=$((SECONDS + ${TRAINER_TIMEOUT:-540}))
+    SYS=${TRAINER_CONFIG:-configs/systems/$(kind)_01x0$NGPU.yaml} N=${TRAINER_STEPS:-30} PHASE=${TRAINER_PHASE:-both}
+    TLIMIT=${TRAINER_TIMEOUT:-560}  # each run's (a phase fits a 10-minute call)
+    CKPT_GB=$(python3 -c "from flux_train.config import load_config
+from flux_train.training.checkpoint_size import checkpoint_bytes
+print(int(checkpoint_bytes(load_config('$SYS')) / 1e9) + 1)")
+    free_gb() { df --output=avail -B1000000000 "$1" | tail -n 1 | tr -d " "; }
+    # host memory writes a checkpoint many times faster than a local disk (0.5-0.7 GB/s measured): the 12B state,
+    # 143 GB, goes to /dev/shm where it fits
+    SHM=/tmp; [ "$(free_gb /dev/shm)" -gt $((CKPT_GB * 11 / 10)) ] && SHM=/dev/shm
+    RUN=${TRAINER_DIR:-$SHM/flux_trainer_run}
+    mkdir -p "$RUN"
+    # where only one checkpoint fits (a 235 GB disk), the resumed run ends without its final save
+    FINAL=true; [ "$(free_gb "$RUN")" -lt $((CKPT_GB * 21 / 10)) ] && FINAL=false
+    [ "$PHASE" = resume ] && FINAL=$(cat "$RUN/.final" 2>/dev/null || echo false)
+    log "trainer: $SYS, $N steps, run folder $RUN ($(free_gb "$RUN") GB free, a checkpoint ${CKPT_GB} GB, final save: $FINAL)"
     TRAIN=(torchrun --standalone --nproc_per_node="$NGPU" -m flux_train.train
-      --config "${TRAINER_CONFIG:-configs/systems/$(kind)_01x04.yaml}" --set logging.out_dir="$RUN"
+      --config "$SYS" --set logging.out_dir="$RUN"
       --set data.source=synthetic --set data.synthetic_text_len=256 --set data.synthetic_latent_size=32
       --set perf.warmup_latent_size=32 --set data.synthetic_train_samples=512 --set data.synthetic_val_samples=256
-      --set perf.fp8="${FP8:-none}" --set logging.log_every=5 --set train.max_steps="$N" --set eval.every_steps="$N")
-    rm -rf "$RUN"
-    # preempted as Slurm would (SIGUSR2 to the workers) at the first logged step: a checkpoint at the next one
-    # and exit 75; then the same command resumes from it, runs to step N, evaluates and saves
-    "${TRAIN[@]}" > "$OUT/trainer.log" 2>&1 &
-    AGENT=$!
-    until grep -q "^step " "$OUT/trainer.log" || ! kill -0 $AGENT 2>/dev/null || [ $SECONDS -gt $DEADLINE ]; do
-      sleep 2
-    done
-    pkill -USR2 -P $AGENT
-    wait $AGENT; log "trainer: the preempted run exited $? (torchrun says 1 when its workers stop with 75, saved)"
-    timeout $((DEADLINE - SECONDS)) "${TRAIN[@]}" > "$OUT/trainer_resumed.log" 2>&1; log "trainer: the resumed run exited $?"
-    grep -h "^step \|resum\|finished\|saved\|stopped\|val_loss" "$OUT/trainer.log" "$OUT/trainer_resumed.log" \
-      | tee "$OUT/trainer.txt"
-    rm -rf "$RUN"
+      --set perf.fp8="${FP8:-none}" --set logging.log_every=5 --set train.max_steps="$N" --set eval.every_steps="$N"
+      --set checkpoint.keep=1 --set checkpoint.final="$FINAL" --set preflight.min_free_disk_gb="$CKPT_GB")
+    # TRAINER_PHASE: both (one call: ~15 min for the 12B state on a local disk), preempt, or resume (two calls,
+    # the machine held between them: the run folder stays)
+    if [ "$PHASE" != resume ]; then
+      rm -rf "$RUN"; mkdir -p "$RUN"; echo "$FINAL" > "$RUN/.final"
+      # preempted as Slurm would (SIGUSR2 to the workers) at the first logged step: a checkpoint at the next one
+      # and exit 75
+      "${TRAIN[@]}" > "$OUT/trainer.log" 2>&1 &
+      AGENT=$! DEADLINE=$((SECONDS + TLIMIT))
+      until grep -q "^step " "$OUT/trainer.log" || ! kill -0 $AGENT 2>/dev/null || [ $SECONDS -gt $DEADLINE ]; do
+        sleep 2
+      done
+      pkill -USR2 -P $AGENT
+      wait $AGENT; log "trainer: the preempted run exited $? (torchrun says 1 when its workers stop with 75, saved)"
+      grep -h "^step \|saved\|stopped\|finished" "$OUT/trainer.log" | tee "$OUT/trainer.txt"
+    fi
+    if [ "$PHASE" != preempt ]; then
+      # the same command resumes from the checkpoint, runs to step N and evaluates
+      timeout "$TLIMIT" "${TRAIN[@]}" > "$OUT/trainer_resumed.log" 2>&1; log "trainer: the resumed run exited $?"
+      grep -h "^step \|resum\|finished\|saved\|stopped\|val_loss" "$OUT/trainer_resumed.log" | tee -a "$OUT/trainer.txt"
+      rm -rf "$RUN"
+    fi
     log "trainer stage done" ;;
   checkpoint)
     tbench --mode step --config configs/systems/H200_01x08.yaml --rows ours --set parallel.strategy=ddp \
