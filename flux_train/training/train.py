@@ -451,6 +451,19 @@ class Trainer:
         return Status.DIVERGED
 
 
+def _quiet_broken_pipes() -> None:
+    """The terminal's Ctrl-C stopped the loader's workers too: a tensor that multiprocessing's resource sharer was
+    handing one of them then fails with a broken pipe, which its thread reports through sys.excepthook, a traceback
+    after the one line (seen once in a whole test run). Such errors say nothing once the run is interrupted."""
+    hook = sys.excepthook
+
+    def quiet(kind, value, traceback) -> None:
+        if not issubclass(kind, (BrokenPipeError, ConnectionResetError)):
+            hook(kind, value, traceback)
+
+    sys.excepthook = quiet
+
+
 @reports_user_errors
 def main(argv=None, sampler: SamplerFactory | None = None) -> int:
     """The run of the command line `argv`; `sampler` as for Trainer."""
@@ -477,6 +490,7 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
         return EXIT_OUT_OF_MEMORY if oom else EXIT_COLLECTIVE
     except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever the loop was
         ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one must not cut the teardown short
+        _quiet_broken_pipes()
         if not dist.is_initialized() or dist.get_rank() == 0:
             at = f"at step {trainer.state.step}" if trainer else "while starting"
             where = f"; the same command {run_folder.next_start(cfg)}" if cfg else ""
