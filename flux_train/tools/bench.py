@@ -516,7 +516,7 @@ def checkpoint_timings(trainer, args, step_seconds: float) -> dict:
     root, parts = own_folder(Path(args.checkpoint)), trainer.parts
     blocking = checkpoint.Checkpointer(root / "sync", keep=1)
     path, save_s = clock(lambda: blocking.save(1, parts))
-    size_gb = round(sum(f.stat().st_size for f in path.iterdir()) / 1e9, 1)
+    size_gb = round(checkpoint.folder_bytes(path) / 1e9, 1)
     report("checkpoint_gb", size_gb)
     report("save_s", save_s)
     report("write_gb_per_s", round(size_gb / max(save_s, 1e-3), 2))

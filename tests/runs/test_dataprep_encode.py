@@ -67,9 +67,7 @@ def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it
         str(shard),
         "--out",
         str(out),
-        "--vae",
-        str(tiny_models / "vae"),
-        *encoder_flags(tiny_models),
+        *encoder_flags(tiny_models, tiny_models / "vae"),
         "--batch-size",
         "2",
     ]
@@ -92,9 +90,7 @@ def test_encode_writes_documented_shapes_from_the_encoders_and_verify_accepts_it
                 str(tsv),
                 "--out",
                 str(out),
-                "--vae",
-                str(tiny_models / "vae"),
-                *encoder_flags(tiny_models),
+                *encoder_flags(tiny_models, tiny_models / "vae"),
             ]
         )
         == 0
@@ -145,7 +141,7 @@ def test_wrong_encoder_weights_stop_before_a_wrong_dataset(tiny_models, tmp_path
         T5Config(vocab_size=16, d_model=64, d_kv=8, d_ff=16, num_layers=1, num_heads=2, decoder_start_token_id=0)
     ).save_pretrained(tmp_path / "t5-base-like")
     image_dir, tsv = coco_folder(tmp_path / "coco")
-    args = encoder_flags(tiny_models)
+    args = encoder_flags(tiny_models, tiny_models / "vae")
     args[args.index("--t5") + 1] = str(tmp_path / "t5-base-like")
     rc = main(
         [
@@ -158,8 +154,6 @@ def test_wrong_encoder_weights_stop_before_a_wrong_dataset(tiny_models, tmp_path
             str(tsv),
             "--out",
             str(tmp_path / "ds"),
-            "--vae",
-            str(tiny_models / "vae"),
             *args,
         ]
     )
