@@ -24,7 +24,7 @@
 #                                      our rows as FP8 recipe:graphs, EXTRA="--set k=v" more settings)
 #   bash tests/gpu_check.sh step       full flux-schnell training step on all GPUs: stock FSDP2 vs ours (fsdp, ddp,
 #                                      FP8, accumulation 4, graphs), profiles, eval rate, step efficiency refs
-#   bash tests/gpu_check.sh whole      the whole model at GBS 512 on all GPUs, with accumulation, in the system
+#   bash tests/gpu_check.sh whole      the whole model at its GBS (512) on all GPUs, with accumulation, in the system
 #                                      config of the host's kind (WHOLE_CONFIG; configs/systems/H100_01x04.yaml on 4
 #                                      H100), profiled: stock FSDP2 at micro-batch 8 without checkpointing, stock with
 #                                      diffusers' checkpointing, ours bf16 and FP8 delayed, in the config's layout
@@ -67,6 +67,11 @@ gpu_tests() {  # name, CUDA_VISIBLE_DEVICES, pytest's arguments: each test's out
   log "gpu tests ($name): $(tail -n 1 "$OUT/gpu_tests_$name.log")"
 }
 kind() { python3 -c "import torch; print('H200' if 'H200' in torch.cuda.get_device_name() else 'H100')"; }
+of_config() {  # a config file, a Python expression of its `cfg` (checkpoint_bytes at hand): the value printed
+  python3 -c "from flux_train.config import load_config
+from flux_train.training.checkpoint_size import checkpoint_bytes
+cfg = load_config('$1'); print($2)"
+}
 
 for stage in "$@"; do
   case $stage in
@@ -187,17 +192,18 @@ EOF
     NCCL_PROTO=Simple tbench $STEP --rows ours --set parallel.strategy=ddp --set perf.fp8=tensorwise \
       --set perf.fp8_impl=torchao > "$OUT/step_simple.log" 2>&1 || log "simple step failed"
     log "step-more stage done" ;;
-  whole)  # the whole model at GBS 512 on all GPUs in the system config of the host's kind, each row profiled
+  whole)  # the whole model at its GBS on all GPUs in the system config of the host's kind, each row profiled
     SYS=${WHOLE_CONFIG:-configs/systems/$(kind)_01x0$NGPU.yaml}
-    MB=${WHOLE_MB:-$(python3 -c "from flux_train.config import load_config; print(load_config('$SYS').train.micro_batch_size)")}
-    WHOLE="--mode step --config $SYS --steps 2 ${NO_PROFILE:---profile} --set train.micro_batch_size=$MB"
+    GBS=$(of_config "$SYS" cfg.train.global_batch_size) MB=${WHOLE_MB:-$(of_config "$SYS" cfg.train.micro_batch_size)}
+    WHOLE="--mode step --config $SYS --steps 2 ${NO_PROFILE:---profile}" ACC=$((GBS / (MB * NGPU)))
+    OURS="$WHOLE --rows ours --set train.micro_batch_size=$MB --accum $ACC --set perf.warmup_iters=1"
     for row in ${WHOLE_ROWS:-stock stock-ac bf16 fp8}; do
       case $row in
-        stock) tbench --mode step --config "$SYS" --steps 2 ${NO_PROFILE:---profile} --rows stock \
-                 --set parallel.activation_checkpointing=false --set train.micro_batch_size=8 --accum $((512 / (8 * NGPU))) ;;
-        stock-ac) tbench $WHOLE --rows stock --accum $((512 / (MB * NGPU))) ;;
-        bf16) tbench $WHOLE --rows ours --accum $((512 / (MB * NGPU))) --set perf.warmup_iters=1 ;;
-        fp8) tbench $WHOLE --rows ours --accum $((512 / (MB * NGPU))) --set perf.warmup_iters=1 --set perf.fp8=delayed ;;
+        stock) tbench $WHOLE --rows stock --set parallel.activation_checkpointing=false --set train.micro_batch_size=8 \
+                 --accum $((GBS / (8 * NGPU))) ;;
+        stock-ac) tbench $WHOLE --rows stock --set train.micro_batch_size=$MB --accum $ACC ;;
+        bf16) tbench $OURS ;;
+        fp8) tbench $OURS --set perf.fp8=delayed ;;
         *) echo "unknown whole row $row (stock, stock-ac, bf16, fp8)"; exit 2 ;;
       esac >> "$OUT/whole_$row.log" 2>&1 || log "whole $row failed: see whole_$row.log"
       log "whole $row: $(grep -h '^ROW' "$OUT/whole_$row.log" | tail -1 | cut -c1-160)"
@@ -205,9 +211,7 @@ EOF
   trainer)
     SYS=${TRAINER_CONFIG:-configs/systems/$(kind)_01x0$NGPU.yaml} N=${TRAINER_STEPS:-30} PHASE=${TRAINER_PHASE:-both}
     TLIMIT=${TRAINER_TIMEOUT:-560}  # each run's (a phase fits a 10-minute call)
-    CKPT_GB=$(python3 -c "from flux_train.config import load_config
-from flux_train.training.checkpoint_size import checkpoint_bytes
-print(int(checkpoint_bytes(load_config('$SYS')) / 1e9) + 1)")
+    CKPT_GB=$(of_config "$SYS" "int(checkpoint_bytes(cfg) / 1e9) + 1")
     free_gb() { df --output=avail -B1000000000 "$1" | tail -n 1 | tr -d " "; }
     # host memory writes a checkpoint many times faster than a local disk (0.5-0.7 GB/s measured): the 12B state,
     # 143 GB, goes to /dev/shm where it fits
