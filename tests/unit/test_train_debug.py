@@ -42,6 +42,37 @@ def test_out_of_memory_ends_in_one_line_naming_the_fix(monkeypatch, capsys, tmp_
     assert err[0].startswith("out of GPU memory on rank 0") and "train.micro_batch_size" in err[0]
 
 
+def test_ctrl_c_leaves_one_line_when_the_loader_s_fd_sharing_breaks_after_it(monkeypatch, capsys, tmp_path):
+    """After Ctrl-C the loader's workers are gone: multiprocessing's resource sharer, handing one a tensor, reports
+    its broken pipe through sys.excepthook from its thread, once seen as a traceback after the one line. It stays
+    one line; any other error reported that way still prints."""
+    import sys
+    import threading
+
+    from flux_train.training import train as train_module
+
+    def run(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module.Trainer, "run", run)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    code = train_module.main(
+        ["--config", "configs/debug.yaml", "--set", "data.source=synthetic", "--set", f"logging.out_dir={tmp_path}"]
+    )
+
+    def sharer_reports(error: BaseException) -> None:  # as multiprocessing.resource_sharer._serve does
+        thread = threading.Thread(target=lambda: sys.excepthook(type(error), error, None))
+        thread.start()
+        thread.join()
+
+    sharer_reports(BrokenPipeError(32, "Broken pipe"))
+    sharer_reports(ConnectionResetError(104, "Connection reset by peer"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and len(err) == 1 and err[0].startswith("flux-train: interrupted at step 0"), err
+    sharer_reports(ValueError("something else"))
+    assert "ValueError: something else" in capsys.readouterr().err
+
+
 def test_the_eta_counts_down_to_the_next_eval_and_where_the_reference_converged():
     """The bar's times: to the next eval, and to the eval where the MLPerf reference runs converged at this GBS (their
     mean, then their latest), then to the step cap; the debug flavor has no reference, only the cap. Evals count in."""
