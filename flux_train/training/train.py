@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import warnings
+from multiprocessing import resource_sharer
 from pathlib import Path
 from typing import NamedTuple
 
@@ -451,14 +452,16 @@ class Trainer:
         return Status.DIVERGED
 
 
-def _quiet_broken_pipes() -> None:
-    """The terminal's Ctrl-C stopped the loader's workers too: a tensor that multiprocessing's resource sharer was
-    handing one of them then fails with a broken pipe, which its thread reports through sys.excepthook, a traceback
-    after the one line (seen once in a whole test run). Such errors say nothing once the run is interrupted."""
+def _quiet_resource_sharer() -> None:
+    """Ctrl-C from a terminal stops the loader's workers with the run: the one handing the trainer a tensor's file
+    descriptor then finds its peer gone, and multiprocessing's resource sharer reports that broken pipe or reset
+    through sys.excepthook from its thread, a traceback after the run's one line (seen in a whole test run). Set
+    before the workers fork, so they inherit it: such errors say nothing the run does not say itself."""
     hook = sys.excepthook
 
     def quiet(kind, value, traceback) -> None:
-        if not issubclass(kind, (BrokenPipeError, ConnectionResetError)):
+        from_sharer = traceback is not None and traceback.tb_frame.f_code.co_filename == resource_sharer.__file__
+        if not (from_sharer and issubclass(kind, (BrokenPipeError, ConnectionResetError))):
             hook(kind, value, traceback)
 
     sys.excepthook = quiet
@@ -474,6 +477,7 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
+        _quiet_resource_sharer()
         trainer = Trainer(cfg, sampler)
         status = trainer.run()
     except StorageError as exc:  # a file the run must write could not be written: say where to resume from
@@ -490,7 +494,6 @@ def main(argv=None, sampler: SamplerFactory | None = None) -> int:
         return EXIT_OUT_OF_MEMORY if oom else EXIT_COLLECTIVE
     except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever the loop was
         ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one must not cut the teardown short
-        _quiet_broken_pipes()
         if not dist.is_initialized() or dist.get_rank() == 0:
             at = f"at step {trainer.state.step}" if trainer else "while starting"
             where = f"; the same command {run_folder.next_start(cfg)}" if cfg else ""
