@@ -125,16 +125,23 @@ class _TensorwiseLinear(torch.autograd.Function):
     into `sink` where one is given. `arrivals` [2] and `arrivals_grad` [1] (or None) are the casts' counts
     (kernels/fp8_cast.py). `recast_weight`: the backward casts the weight again (at the forward's scale, the same
     bits) instead of keeping its e4m3 transpose from the forward: under FSDP the weight is gathered again for the
-    backward anyway, and the kept copies were one byte per parameter of the whole model on every rank."""
+    backward anyway, and the kept copies were one byte per parameter of the whole model on every rank. With
+    `gelu_tail` the input is [x2 | gelu(gelu_tail)], joined by the cast as it reads (FP8Linear.gelu_forward)."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, scales, amax, amax_grad, arrivals, arrivals_grad, dtype, sink, recast_weight):
-        xq, xq_t, xs, wq, wq_t, ws = cast_transpose_pair(x2, weight, scales[0:2], amax, dtype, arrivals=arrivals)
+    def forward(
+        ctx, x2, weight, bias, scales, amax, amax_grad, arrivals, arrivals_grad, dtype, sink, recast_weight, gelu_tail
+    ):  # fmt: skip
+        xq, xq_t, xs, wq, wq_t, ws = cast_transpose_pair(
+            x2, weight, scales[0:2], amax, dtype, arrivals=arrivals, gelu_tail=gelu_tail
+        )
         ctx.dtype, ctx.weight_dtype, ctx.x_dtype = dtype, weight.dtype, x2.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.recast_weight = recast_weight
-        # the backward's operands in the layouts it needs, in e4m3: half the bytes of the bf16 ones
-        ctx.save_for_backward(xq_t, xs, weight if recast_weight else wq_t, ws, scales, amax, amax_grad)
+        # the backward's operands in the layouts it needs, in e4m3: half the bytes of the bf16 ones (and the GELU's
+        # input, which its backward needs, as the unfused GELU keeps it)
+        kept = (xq_t, xs, weight if recast_weight else wq_t, ws, scales, amax, amax_grad, gelu_tail)
+        ctx.save_for_backward(*kept)
         ctx.sink = sink  # not saved: every write into its bucket bumps the version counter the views share
         ctx.arrivals_grad = arrivals_grad  # not saved either: a counter, zero between calls
         # the output in x's dtype: an fp32 model stays fp32 after its FP8 layers (attention included)
@@ -142,7 +149,7 @@ class _TensorwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):  # pyright: ignore[reportIncompatibleMethodOverride] - one output, one gradient
-        xq_t, xs, wq_t, ws, scales, amax, amax_grad = ctx.saved_tensors
+        xq_t, xs, wq_t, ws, scales, amax, amax_grad, gelu_tail = ctx.saved_tensors
         if ctx.recast_weight:  # wq_t is the weight: its transpose at the forward's scale (its maximum is already in)
             _, wq_t, _, _ = cast_transpose(wq_t, ws, amax[1:2], ctx.dtype, rows=False)
         sink = ctx.sink
@@ -152,13 +159,19 @@ class _TensorwiseLinear(torch.autograd.Function):
             dy.contiguous(), scales[2], amax_grad, ctx.dtype, column_sums=with_bias, arrivals=ctx.arrivals_grad
         )
         dx = scaled_mm(dyq, dys, wq_t.t(), ws, out_dtype=ctx.x_dtype)  # dX = dY @ W, W as [N,K] column-major
+        dtail = None
+        if gelu_tail is not None:  # the joined input's gradient, split: the head's, and through the GELU the tail's
+            head_columns = dx.shape[1] - gelu_tail.shape[1]
+            dtail = torch.ops.aten.gelu_backward(dx[:, head_columns:], gelu_tail, approximate="tanh")
+            dx = dx[:, :head_columns]
         # dW = dY^T @ X, X as [M,K] column-major
         if sink is None:
             dw = scaled_mm(dyq_t, dys, xq_t.t(), xs).to(ctx.weight_dtype)
         else:  # a new view (also in a compiled graph), held by autograd alone, becomes the .grad as it is
             scaled_mm_into(dyq_t, dys, xq_t.t(), xs, sink)
             dw = sink.view(dyq_t.shape[0], xq_t.shape[0])
-        return dx, dw, dbias.to(ctx.bias_dtype) if with_bias else None, None, None, None, None, None, None, None, None
+        dbias = dbias.to(ctx.bias_dtype) if with_bias else None
+        return dx, dw, dbias, None, None, None, None, None, None, None, None, dtail
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -205,23 +218,45 @@ class FP8Linear(nn.Linear):
         x = input
         n, k = self.weight.shape
         m = x.numel() // k
-        if n % 16 or k % 16 or m % 16:
+        if not self._gemm_takes(m):
             return F.linear(x, self.weight, self.bias)
         x2, weight = x.reshape(m, k), self.weight.to(x.dtype)
         if self.recipe.per_row:
             y = _RowwiseLinear.apply(x2, weight, self.fp8_dtype).reshape(*x.shape[:-1], n)
             return y if self.bias is None else y + self.bias.to(y.dtype)
+        return self._tensorwise(x2, weight, None).reshape(*x.shape[:-1], n)
+
+    def fuses_gelu(self, tail: torch.Tensor) -> bool:
+        """Whether gelu_forward can take this input: delayed scaling (the cast applies the GELU as it reads, with
+        the scale known before), at shapes the FP8 GEMMs take."""
+        return bool(self.recipe.history) and self._gemm_takes(tail.numel() // tail.shape[-1])
+
+    def gelu_forward(self, head: torch.Tensor | None, tail: torch.Tensor) -> torch.Tensor:
+        """self([head | gelu(tail)]) (GELU's tanh approximation; head None: self(gelu(tail))), the GELU and the join
+        done by the input's cast as it reads: the activation is never written in bf16 to be read again. Where
+        fuses_gelu(tail)."""
+        m, n = tail.numel() // tail.shape[-1], self.weight.shape[0]
+        head2 = tail.new_empty(m, 0) if head is None else head.reshape(m, -1)
+        y = self._tensorwise(head2, self.weight.to(tail.dtype), tail.reshape(m, tail.shape[-1]))
+        return y.reshape(*tail.shape[:-1], n)
+
+    def _gemm_takes(self, m: int) -> bool:
+        """Whether the FP8 GEMMs take an input of `m` rows: every dimension a multiple of 16."""
+        n, k = self.weight.shape
+        return not (n % 16 or k % 16 or m % 16)
+
+    def _tensorwise(self, x2: torch.Tensor, weight: torch.Tensor, gelu_tail: torch.Tensor | None) -> torch.Tensor:
         # delayed scaling records the maxima of training steps only; current scaling needs fresh maxima
         record = self.recipe.history and torch.is_grad_enabled()
-        amax = self.fp8_amax if record else torch.zeros(2, device=x.device)
-        amax_grad = self.fp8_amax_grad if record else torch.zeros(1, device=x.device)
-        sink = self.wgrad_sink if self.weight.dtype == x.dtype else None  # the gradient is the parameter's own
+        amax = self.fp8_amax if record else torch.zeros(2, device=x2.device)
+        amax_grad = self.fp8_amax_grad if record else torch.zeros(1, device=x2.device)
+        sink = self.wgrad_sink if self.weight.dtype == x2.dtype else None  # the gradient is the parameter's own
         # delayed: the casts go without an amax kernel (a history is there on all but a few steps)
         counts = (self.fp8_arrivals, self.fp8_arrivals_grad) if self.recipe.history else (None, None)
-        y = _TensorwiseLinear.apply(
-            x2, weight, self.bias, self.fp8_scale, amax, amax_grad, *counts, self.fp8_dtype, sink, self.recast_weight
-        )
-        return y.reshape(*x.shape[:-1], n)
+        return _TensorwiseLinear.apply(
+            x2, weight, self.bias, self.fp8_scale, amax, amax_grad, *counts, self.fp8_dtype, sink, self.recast_weight,
+            gelu_tail,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, fp8={self.fp8_dtype}"

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton  # plain torch: importable without Triton
 
-from flux_train.kernels.triton_support import HAVE_TRITON, kernels_run_on, tl, triton
+from flux_train.kernels.triton_support import HAVE_TRITON, interpreted, kernels_run_on, libdevice, tl, triton
 
 TINY_AMAX = 1e-12  # an all-zero tensor (a gradient before the gates open) casts to zeros, not NaN
 
@@ -54,6 +54,7 @@ def cast_transpose_torch(
 
 if HAVE_TRITON:
     _TINY_AMAX = tl.constexpr(TINY_AMAX)  # a kernel reads a global only as a constexpr
+    _NO_GELU = tl.constexpr(False)
 
     @triton.jit
     def _amax_of(X, SCALE, AMAX, n, BLOCK: tl.constexpr):
@@ -74,12 +75,39 @@ if HAVE_TRITON:
             _amax_of(X2, SCALE + 1, AMAX + 1, n2, BLOCK)
 
     @triton.jit
-    def _load_tile(X, M, K, row0, col0, BM: tl.constexpr, BK: tl.constexpr):
+    def _gelu_tanh(h, INTERPRETED: tl.constexpr):
+        # torch's GELU(approximate="tanh") in its own order of operations (fp32), rounded to bf16 (nearest even,
+        # by bits: the interpreter's own conversion truncates) as the unfused GELU writes it; NaN stays NaN
+        inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
+        if INTERPRETED:  # no libdevice: tanh from exp, odd by construction (tanh(10) is 1 in fp32)
+            t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.abs(inner), 10.0)) + 1.0)
+            t = tl.where(inner < 0, -t, t)
+        else:
+            t = libdevice.tanh(inner)
+        g = 0.5 * h * (1.0 + t)  # pyright: ignore[reportOperatorIssue] - Triton's extern functions declare no type
+        bits = g.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return tl.where(g != g, g, rounded)
+
+    @triton.jit
+    def _load_tile(
+        X, TAIL, M, K, K_HEAD, SX, ST, row0, col0, GELU: tl.constexpr, INTERPRETED: tl.constexpr,
+        BM: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        # X's rows SX apart; with GELU the tile of [X | gelu(TAIL)]: columns from K_HEAD on are gelu(TAIL)'s
         rm, rk = tl.arange(0, BM), tl.arange(0, BK)
         mask = (row0 + rm[:, None] < M) & (col0 + rk[None, :] < K)
         # 64-bit offset of the tile, 32-bit offsets within it (keeps the contiguity Triton coalesces by)
-        x = tl.load(X + (row0.to(tl.int64) * K + col0) + (rm[:, None] * K + rk[None, :]), mask=mask, other=0.0)
-        return x.to(tl.float32), mask
+        head = X + (row0.to(tl.int64) * SX + col0) + (rm[:, None] * SX + rk[None, :])
+        if GELU:
+            cols = col0 + rk[None, :]
+            x = tl.load(head, mask=mask & (cols < K_HEAD), other=0.0).to(tl.float32)
+            tail = TAIL + (row0.to(tl.int64) * ST + col0 - K_HEAD) + (rm[:, None] * ST + rk[None, :])
+            h = tl.load(tail, mask=mask & (cols >= K_HEAD), other=0.0).to(tl.float32)
+            x = tl.where(cols < K_HEAD, x, _gelu_tanh(h, INTERPRETED))
+        else:
+            x = tl.load(head, mask=mask, other=0.0).to(tl.float32)
+        return x, mask
 
     @triton.jit
     def _store_tile(
@@ -111,6 +139,7 @@ if HAVE_TRITON:
     @triton.jit
     def _cast_tile(
         X,
+        TAIL,
         Q,
         QT,
         SCALE,
@@ -120,17 +149,22 @@ if HAVE_TRITON:
         SUMS,
         M,
         K,
+        K_HEAD,
+        SX,
+        ST,
         tile_m,
         tile_k,
         FMAX: tl.constexpr,
         LAYOUTS: tl.constexpr,
         COLUMN_SUMS: tl.constexpr,
         COUNTED: tl.constexpr,
+        GELU: tl.constexpr,
+        INTERPRETED: tl.constexpr,
         BM: tl.constexpr,
         BK: tl.constexpr,
     ):
         row0, col0 = tile_m * BM, tile_k * BK
-        x, mask = _load_tile(X, M, K, row0, col0, BM, BK)
+        x, mask = _load_tile(X, TAIL, M, K, K_HEAD, SX, ST, row0, col0, GELU, INTERPRETED, BM, BK)
         tile_amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         if COLUMN_SUMS:  # this tile's column sums, one row of partials per row tile (summed in a fixed order after)
             rk = tl.arange(0, BK)
@@ -149,7 +183,7 @@ if HAVE_TRITON:
                     s = tl.div_rn(tl.maximum(tl.atomic_add(AMAX, 0.0), _TINY_AMAX), FMAX)  # read where the atomics went
                     for t in range(0, tiles):
                         r0, c0 = (t // tiles_k) * BM, (t % tiles_k) * BK
-                        xt, mt = _load_tile(X, M, K, r0, c0, BM, BK)
+                        xt, mt = _load_tile(X, TAIL, M, K, K_HEAD, SX, ST, r0, c0, GELU, INTERPRETED, BM, BK)
                         _store_tile(Q, QT, M, K, r0, c0, xt, mt, s, FMAX, LAYOUTS, BM, BK)
                     tl.store(S_OUT, s)
                     tl.store(ARRIVALS, 0)  # ready for the next call
@@ -162,9 +196,13 @@ if HAVE_TRITON:
     @triton.jit
     def _cast_transpose_kernel(
         X,
+        TAIL,
         Q,
         QT,
         M,
+        K_HEAD,
+        SX,
+        ST,
         X2,
         Q2,
         QT2,
@@ -180,18 +218,21 @@ if HAVE_TRITON:
         LAYOUTS: tl.constexpr,
         COLUMN_SUMS: tl.constexpr,
         COUNTED: tl.constexpr,
+        GELU: tl.constexpr,
+        INTERPRETED: tl.constexpr,
         BM: tl.constexpr,
         BK: tl.constexpr,
     ):
-        # the row tiles of X, then those of X2 (M2 rows, 0: none; its scale, amax and count follow X's, the scale
-        # it used goes to S_OUT2; column sums only for a lone X)
+        # the row tiles of X (or with GELU of [X | gelu(TAIL)]), then those of X2 (M2 rows, 0: none; contiguous;
+        # its scale, amax and count follow X's, the scale it used goes to S_OUT2; column sums only for a lone X)
         tiles = tl.cdiv(M, BM)
         if tl.program_id(0) < tiles:
-            _cast_tile(X, Q, QT, SCALE, AMAX, ARRIVALS, S_OUT, SUMS, M, K, tl.program_id(0), tl.program_id(1),
-                       FMAX, LAYOUTS, COLUMN_SUMS, COUNTED, BM, BK)  # fmt: skip
+            _cast_tile(X, TAIL, Q, QT, SCALE, AMAX, ARRIVALS, S_OUT, SUMS, M, K, K_HEAD, SX, ST, tl.program_id(0),
+                       tl.program_id(1), FMAX, LAYOUTS, COLUMN_SUMS, COUNTED, GELU, INTERPRETED, BM, BK)  # fmt: skip
         else:
-            _cast_tile(X2, Q2, QT2, SCALE + 1, AMAX + 1, ARRIVALS + 1, S_OUT2, SUMS, M2, K, tl.program_id(0) - tiles,
-                       tl.program_id(1), FMAX, LAYOUTS, COLUMN_SUMS, COUNTED, BM, BK)  # fmt: skip
+            _cast_tile(X2, X2, Q2, QT2, SCALE + 1, AMAX + 1, ARRIVALS + 1, S_OUT2, SUMS, M2, K, K, K, K,
+                       tl.program_id(0) - tiles, tl.program_id(1), FMAX, LAYOUTS, COLUMN_SUMS, COUNTED, _NO_GELU,
+                       INTERPRETED, BM, BK)  # fmt: skip
 
     _AMAX_BLOCK = 4096
     # rows x columns of x (256-byte loads, 128- and 64-byte stores per row/column), warps: measured on an H200
@@ -207,17 +248,21 @@ if HAVE_TRITON:
 
     def _launch(
         xs: list[torch.Tensor], scale, amax, arrivals, dtype, fmax: float, transpose: bool, column_sums: bool,
-        rows: bool = True,
+        rows: bool = True, gelu_tail: torch.Tensor | None = None,
     ):  # fmt: skip
         """The kernels over one operand or two of the same K (`scale`, `amax`, `arrivals`: one element per operand;
         `arrivals` empty: the amax kernel first). A lone operand's second is a zero-row tensor with outputs of its
         own, never the first's again: a compiled graph gives each tensor a kernel writes a copy of its own, and of
-        two names for one tensor it may keep the copy the kernel did not write."""
+        two names for one tensor it may keep the copy the kernel did not write. With `gelu_tail` the first operand
+        is [xs[0] | gelu(gelu_tail)] (counted casts only: the amax kernel reads xs[0] alone)."""
         x, k = xs[0], xs[0].shape[1]
+        tail = x if gelu_tail is None else gelu_tail
+        if gelu_tail is not None:
+            k += gelu_tail.shape[1]
         x2 = xs[1] if len(xs) == 2 else x.new_empty(0, k)  # no rows: the kernel takes no tile of it
-        (m, _), (m2, _) = x.shape, x2.shape
-        qs = [torch.empty(t.shape if rows else (0,), device=x.device, dtype=dtype) for t in (x, x2)]
-        qts = [torch.empty((k, t.shape[0]) if transpose else (0,), device=x.device, dtype=dtype) for t in (x, x2)]
+        m, m2 = tail.shape[0], x2.shape[0]
+        qs = [torch.empty((t, k) if rows else (0,), device=x.device, dtype=dtype) for t in (m, m2)]
+        qts = [torch.empty((k, t) if transpose else (0,), device=x.device, dtype=dtype) for t in (m, m2)]
         # one scale per operand (torch._scaled_mm takes no scale at an offset into a larger tensor), allocated with a
         # dimension and returned as a 0-dim view: Inductor fills a 0-dim empty with a kernel of its own (2 launches
         # per cast, measured)
@@ -231,9 +276,13 @@ if HAVE_TRITON:
             wrap_triton(_amax_kernel)[(programs,)](x, x2, scale, amax, n, n2, BLOCK=_AMAX_BLOCK)
         wrap_triton(_cast_transpose_kernel)[(triton.cdiv(m, bm) + triton.cdiv(m2, bm), triton.cdiv(k, bk))](
             x,
+            tail,
             qs[0],
             qts[0],
             m,
+            x.shape[1],
+            max(x.stride(0), 1),  # an empty head's
+            tail.stride(0),
             x2,
             qs[1],
             qts[1],
@@ -249,6 +298,8 @@ if HAVE_TRITON:
             LAYOUTS=int(rows) | 2 * int(transpose),
             COLUMN_SUMS=column_sums,
             COUNTED=counted,
+            GELU=gelu_tail is not None,
+            INTERPRETED=interpreted(),
             BM=bm,
             BK=bk,
             num_warps=warps,
@@ -281,9 +332,13 @@ if HAVE_TRITON:
         arrivals: torch.Tensor,
         dtype: torch.dtype,
         fmax: float,
+        gelu_tail: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The two operands of one GEMM (the same K) in one launch: `scales`, `amax` [2], `arrivals` [2] or empty."""
-        (xq, wq), (xq_t, wq_t), (xs, ws), _ = _launch([x, w], scales, amax, arrivals, dtype, fmax, True, False)
+        """The two operands of one GEMM (the same K) in one launch: `scales`, `amax` [2], `arrivals` [2] or empty;
+        with `gelu_tail` the first is [x | gelu(gelu_tail)]."""
+        (xq, wq), (xq_t, wq_t), (xs, ws), _ = _launch(
+            [x, w], scales, amax, arrivals, dtype, fmax, True, False, gelu_tail=gelu_tail
+        )
         return xq, xq_t, xs, wq, wq_t, ws
 
 
@@ -322,6 +377,12 @@ def cast_transpose(
     return cast_transpose_torch(x, scale, amax, dtype, transpose, column_sums, rows)
 
 
+def gelu_tanh_joined(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """[head | gelu(tail)] along the last dim, GELU as the reference's (tanh approximation): the input of an MLP's
+    output projection (head with no columns) or of a single block's linear2 (head: the attention's output)."""
+    return torch.cat((head, torch.nn.functional.gelu(tail, approximate="tanh")), dim=-1)
+
+
 def cast_transpose_pair(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -330,17 +391,25 @@ def cast_transpose_pair(
     dtype: torch.dtype,
     impl: str = "auto",
     arrivals: torch.Tensor | None = None,
+    gelu_tail: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`cast_transpose` of a GEMM's two operands x [M,K] and w [N,K] in one launch (each launch costs
     microseconds in a step of a few hundred): (xq, xq transposed, x's scale used, wq, wq transposed, w's scale
-    used); `scales`, `amax` and `arrivals` (or None) [2] hold x's and then w's."""
-    if x.shape[1] != w.shape[1]:
-        raise ValueError(f"cast_transpose_pair: x {tuple(x.shape)} and w {tuple(w.shape)} differ in K")
-    counts = _triton_counts(x, amax, impl, arrivals)
+    used); `scales`, `amax` and `arrivals` (or None) [2] hold x's and then w's. With `gelu_tail` [M,K-Kx] the first
+    operand is gelu_tanh_joined(x, gelu_tail), computed as the kernel reads its parts (the joined bf16 tensor is
+    never written; delayed scaling only: `arrivals` given); the tail may be a view whose rows are apart."""
+    k = x.shape[1] + (0 if gelu_tail is None else gelu_tail.shape[1])
+    if k != w.shape[1]:
+        raise ValueError(f"cast_transpose_pair: x ({k} columns) and w {tuple(w.shape)} differ in K")
+    counts = _triton_counts(x if gelu_tail is None else gelu_tail, amax, impl, arrivals)
+    if counts is not None and gelu_tail is not None and not counts.numel():
+        raise ValueError("cast_transpose_pair: the GELU is applied as the kernel reads: give `arrivals`")
     if counts is not None:
+        tail = gelu_tail if gelu_tail is None or gelu_tail.stride(1) == 1 else gelu_tail.contiguous()
         return _cast_transpose_pair_triton(
-            x.contiguous(), w.contiguous(), scales.contiguous(), amax, counts, dtype, torch.finfo(dtype).max
+            x.contiguous(), w.contiguous(), scales.contiguous(), amax, counts, dtype, torch.finfo(dtype).max, tail
         )
+    x = x if gelu_tail is None else gelu_tanh_joined(x, gelu_tail)
     xq, xq_t, xs, _ = cast_transpose_torch(x, scales[0], amax[0:1], dtype)
     wq, wq_t, ws, _ = cast_transpose_torch(w, scales[1], amax[1:2], dtype)
     return xq, xq_t, xs, wq, wq_t, ws

@@ -11,10 +11,11 @@ import torch
 try:  # Triton ships with CUDA/ROCm builds of torch only
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice  # CUDA's or ROCm's math library, as the GPU's backend takes it
 
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs
-    triton = tl = None
+    triton = tl = libdevice = None
     HAVE_TRITON = False
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from flux_train.config import ModelConfig
 from flux_train.kernels import RMSNorm
+from flux_train.kernels.fp8 import FP8Linear
 
 TIME_EMBED_DIM = 256
 TIME_FACTOR = 1000.0
@@ -139,10 +140,28 @@ class StreamAttention(nn.Module):
         return self.norm.query_norm(q), self.norm.key_norm(k), v
 
 
-def mlp(hidden: int) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Linear(hidden, MLP_RATIO * hidden), nn.GELU(approximate="tanh"), nn.Linear(MLP_RATIO * hidden, hidden)
-    )
+def gelu_linear(linear: nn.Module, head: torch.Tensor | None, tail: torch.Tensor) -> torch.Tensor:
+    """linear([head | gelu(tail)]) with the reference's GELU (tanh approximation): an MLP's output projection (no
+    head) and a single block's linear2 (head: the attention's output). An FP8 layer with delayed scaling joins the
+    parts and applies the GELU as its cast reads them (FP8Linear.gelu_forward): no bf16 copy written and read."""
+    if isinstance(linear, FP8Linear) and linear.fuses_gelu(tail):
+        return linear.gelu_forward(head, tail)
+    x = F.gelu(tail, approximate="tanh")
+    return linear(x if head is None else torch.cat((head, x), dim=-1))
+
+
+class MLP(nn.Sequential):
+    """Linear, GELU (tanh approximation), Linear, indexed as the reference's nn.Sequential (`img_mlp.2.weight`);
+    the forward applies the GELU (no weights) through gelu_linear."""
+
+    def __init__(self, hidden: int):
+        super().__init__(
+            nn.Linear(hidden, MLP_RATIO * hidden), nn.GELU(approximate="tanh"), nn.Linear(MLP_RATIO * hidden, hidden)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
+        project_in, _, project_out = self  # the GELU, between them, is gelu_linear's
+        return gelu_linear(project_out, None, project_in(x))
 
 
 class DoubleStreamBlock(nn.Module):
@@ -150,10 +169,10 @@ class DoubleStreamBlock(nn.Module):
         super().__init__()
         self.img_mod = Modulation(hidden, 6)
         self.img_attn = StreamAttention(hidden, head_dim, rmsnorm_impl)
-        self.img_mlp = mlp(hidden)
+        self.img_mlp = MLP(hidden)
         self.txt_mod = Modulation(hidden, 6)
         self.txt_attn = StreamAttention(hidden, head_dim, rmsnorm_impl)
-        self.txt_mlp = mlp(hidden)
+        self.txt_mlp = MLP(hidden)
 
     def forward(
         self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor, pe: tuple[torch.Tensor, torch.Tensor]
@@ -189,7 +208,7 @@ class SingleStreamBlock(nn.Module):
         )
         q, k, v = qkv.unflatten(-1, (3, -1, self.head_dim)).unbind(2)
         out = attention(self.norm.query_norm(q), self.norm.key_norm(k), v, pe)
-        return x + gate[:, None] * self.linear2(torch.cat((out, F.gelu(mlp_in, approximate="tanh")), dim=2))
+        return x + gate[:, None] * gelu_linear(self.linear2, out, mlp_in)
 
 
 class LastLayer(nn.Module):

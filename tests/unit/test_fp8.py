@@ -145,6 +145,37 @@ def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales, c
         assert torch.equal(tq[3].float(), wq.to(E4M3).float()) and torch.equal(tq[1], tq[0].t())
 
 
+@pytest.mark.parametrize("head_columns", [0, 48])  # an MLP's output projection / a single block's linear2
+@pytest.mark.parametrize("scales", [(0.0, 0.0), (0.05, 0.004)])  # no history (the last program casts) / delayed
+def test_cast_pair_kernel_applies_the_gelu_as_it_reads_bit_for_bit_as_torchs_gelu_then_the_cast(head_columns, scales):
+    """The first operand given as [head | gelu(tail)] (tail a view whose rows are apart, as linear1's split leaves
+    the MLP's input): the kernel applies torch's GELU as it reads, and its e4m3 values in both layouts, scale and
+    amax are those of torch's GELU, the concatenation, then the same kernel: bit for bit, W's too."""
+    from flux_train.kernels.fp8_cast import _cast_transpose_pair_triton, cast_transpose_pair, gelu_tanh_joined
+
+    g = torch.Generator().manual_seed(head_columns)
+    wide = (torch.randn(100, 300, generator=g) * 3).bfloat16()  # tails from -13 to 13: GELU's whole range
+    head, tail = wide[:, 300 - head_columns :].contiguous(), wide[:, 40 : 40 + 160]
+    w = (torch.randn(48, head_columns + 160, generator=g)).bfloat16()
+    x = gelu_tanh_joined(head, tail)
+    results = []
+    for first, gelu_tail in ((x, None), (head, tail)):
+        amax = torch.tensor([1.5, 0.5], device=DEVICE)
+        out = _cast_transpose_pair_triton(
+            first.to(DEVICE), w.to(DEVICE), torch.tensor(scales, device=DEVICE), amax, counts(2), torch.float32,
+            448.0, None if gelu_tail is None else gelu_tail.to(DEVICE),
+        )  # fmt: skip
+        results.append([t.cpu() for t in out] + [amax.cpu()])
+    (xq, xq_t, xs, wq, wq_t, ws, amax), fused = results
+    bits = lambda t: t.to(E4M3).view(torch.uint8)  # noqa: E731 - the GPU's conversion of the kernel's fp32 values
+    assert torch.equal(bits(fused[0]), bits(xq)) and torch.equal(bits(fused[1]), bits(xq_t))
+    assert torch.equal(fused[2], xs) and torch.equal(fused[6], amax) and amax[0] == x.float().abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(fused[3:6], (wq, wq_t, ws)))
+    # the torch path (CPU training) joins as the reference does
+    tq = cast_transpose_pair(head, w, torch.tensor(scales), torch.tensor([1.5, 0.5]), E4M3, "torch", gelu_tail=tail)
+    assert torch.equal(tq[2], xs) and torch.equal(bits(tq[0].float()), bits(xq))
+
+
 @pytest.mark.parametrize("counted", [False, True])
 def test_cast_kernel_writes_only_the_transpose_when_asked(counted):
     """The backward's cast of a weight gathered again (FP8Linear.recast_weight) writes only the transposed layout,
@@ -347,6 +378,47 @@ def test_fp8_linear_casting_its_weight_again_in_backward_computes_the_same(recip
             if scaling is not None:
                 scaling.update()
     assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
+@pytest.mark.parametrize("head_columns", [0, 32])  # an MLP's output projection / a single block's linear2
+def test_fp8_linear_applying_the_gelu_as_it_casts_computes_what_the_gelu_then_the_layer_does(head_columns):
+    """gelu_forward(head, tail) (the GELU and the join done by the input's cast, the tail a view whose rows are
+    apart) gives the output, the gradients of head, tail, weight and bias, and the maxima the layer gives
+    [head | gelu(tail)] computed first: bit for bit, over steps without and with a history (on a GPU where there is
+    one: the Triton kernels, else the CPU's torch path)."""
+    from flux_train.kernels.fp8_cast import gelu_tanh_joined
+
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, head_columns + 64, generator=g) * 0.05, torch.randn(96, generator=g)
+    batches = [
+        (
+            torch.randn(4, 32, head_columns, generator=g),
+            torch.randn(4, 32, 100, generator=g) * 3,
+            torch.randn(4, 32, 96, generator=g),
+        )
+        for _ in range(3)
+    ]
+    seen = {}
+    for fused in (False, True):
+        lin = nn.Linear(head_columns + 64, 96).to(DEVICE, torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+        convert_to_fp8(lin, "delayed", E4M3, lambda fqn, m: True)
+        scaling = FP8Scaling.of(lin, torch.device(DEVICE))
+        assert isinstance(lin, FP8Linear) and lin.fuses_gelu(torch.empty(4, 32, 64))
+        seen[fused] = []
+        for head, wide, dy in batches:
+            head, wide = (t.to(DEVICE, torch.bfloat16).requires_grad_() for t in (head, wide))
+            tail = wide[..., 20:84]  # rows 100 apart
+            y = lin.gelu_forward(head if head_columns else None, tail) if fused else lin(gelu_tanh_joined(head, tail))
+            y.backward(dy.to(y))
+            seen[fused] += [y.detach(), wide.grad, lin.weight.grad, lin.bias.grad, lin.fp8_amax.clone()]
+            if head_columns:
+                seen[fused].append(head.grad)
+            lin.weight.grad = lin.bias.grad = None
+            scaling.update()
+    assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True], strict=True))
 
 
 @pytest.mark.parametrize("impl", ["ours", "torchao"])
