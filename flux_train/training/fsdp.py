@@ -2,7 +2,8 @@
 fused AdamW on the sharded fp32 weights, clipping by the global norm as its own pass. Our FP8 layers cast their
 weights again in the backward (FP8Linear.recast_weight) rather than keep an e4m3 copy of every gathered weight from
 the forward: on the full model that copy was 11 GiB a rank, and at 77 GiB reserved on an 80 GB H100 the allocator
-freed its cache and retried 28 times in a few steps (FP8 5.01 samples/s/GPU at micro-batch 8 on 4 H100)."""
+freed its cache and retried 28 times in a few steps (FP8 5.01 samples/s/GPU at micro-batch 8 on 4 H100). With
+activation checkpointing they keep it: the recomputed forward's casts write it anyway, for one block's backward."""
 
 from __future__ import annotations
 
@@ -60,9 +61,12 @@ class FSDPTraining:
         device: torch.device,
         reduce_dtype: torch.dtype,
     ):
-        for m in model.modules():  # their weights are gathered again for the backward: cast them there
+        # the FP8 layers' weights are gathered again for the backward: cast them there, unless the backward
+        # recomputes the block (activation checkpointing), whose forward casts give the transposes anyway, kept
+        # for that block's backward alone
+        for m in model.modules():
             if isinstance(m, FP8Linear):
-                m.recast_weight = True
+                m.recast_weight = not pcfg.activation_checkpointing
         self.model = parallelize(model, mesh, pcfg, dtype, reduce_dtype)
         self.model.to_empty(device=device)
         self.optimizer = build_optimizer(self.model, tcfg)

@@ -553,3 +553,59 @@ def ddp_writes_fp8_weight_gradients_into_its_buckets_as_autograd_computes_them(c
 def test_ddp_writes_fp8_weight_gradients_into_its_buckets_as_autograd_computes_them():
     """Eager: bit for bit (compiled regions: tests/runs/test_fp8.py, a compile of minutes on a cold cache)."""
     ddp_writes_fp8_weight_gradients_into_its_buckets_as_autograd_computes_them(compiled=False)
+
+
+def test_fsdp_fp8_with_activation_checkpointing_keeps_the_recomputed_casts_and_computes_the_same_gradients():
+    """Under fsdp the FP8 layers cast their gathered weights again in the backward, unless activation checkpointing
+    recomputes the block: then the recomputed forward's casts serve its backward. Two delayed-scaling steps (the
+    first without a history) of a two-block model on one rank give, with and without checkpointing, the same
+    gradients bit for bit, as the layers' recorded maxima."""
+    import torch.distributed as dist
+
+    from flux_train.config import TrainConfig
+    from flux_train.model.flux import build_model, canonical_name, materialize
+    from flux_train.training.distributed import build_mesh
+    from flux_train.training.layout import build_training
+    from flux_train.training.perf import prepare_model
+    from flux_train.training.precision import precision_for
+
+    plain = materialize(build_model(TINY), torch.device("cpu"), seed=0)
+    g = torch.Generator().manual_seed(0)
+    weights = {n: torch.randn(p.shape, generator=g) * 0.2 for n, p in plain.named_parameters()}  # gates open
+    tokens, text = 16, 8
+    ids = torch.stack([torch.zeros(tokens), torch.arange(tokens) // 4, torch.arange(tokens) % 4], 1)
+    batches = [
+        dict(img=torch.randn(2, tokens, TINY.in_channels, generator=g), img_ids=ids,
+             txt=torch.randn(2, text, TINY.joint_attention_dim, generator=g), txt_ids=torch.zeros(text, 3),
+             timesteps=torch.rand(2, generator=g), y=torch.randn(2, TINY.pooled_projection_dim, generator=g))
+        for _ in range(2)
+    ]  # fmt: skip
+    seen = {}
+    for checkpointing in (False, True):
+        pcfg = ParallelConfig(strategy="fsdp", activation_checkpointing=checkpointing)
+        perf = PerfConfig(fp8="delayed", compile="none")
+        precision = precision_for(perf, torch.device("cpu"))
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            model = prepare_model(build_model(TINY), perf, checkpointing, precision)
+            layout = build_training(
+                model, build_mesh(pcfg, 1, 1, "cpu"), pcfg, TrainConfig(), torch.float32, torch.device("cpu")
+            )
+            layout.assign_weights(weights.items())
+            precision.attach(layout.model)
+            layers = [m for m in layout.model.modules() if isinstance(m, FP8Linear)]
+            assert layers and all(m.recast_weight != checkpointing for m in layers)
+            seen[checkpointing] = []
+            for batch in batches:
+                layout.model(**batch).square().mean().backward()
+                for name, p in layout.model.named_parameters():
+                    seen[checkpointing].append((canonical_name(name), p.grad.full_tensor().clone()))
+                    p.grad = None
+                maxima = torch.cat([torch.cat([m.fp8_amax, m.fp8_amax_grad]) for m in layers])
+                seen[checkpointing].append(("maxima", maxima.clone()))
+                precision.after_step()
+        finally:
+            dist.destroy_process_group()
+    names = [n for n, _ in seen[False]]
+    assert names == [n for n, _ in seen[True]] and any(".linear2." in n for n in names)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(seen[False], seen[True], strict=True))
