@@ -17,7 +17,9 @@ Weights stay bf16/fp32 masters; only GEMM inputs are cast. Accumulation is fp32 
 ones (under FSDP, `recast_weight`: the weight's are cast again from the weight gathered for the backward).
 A layer given a `wgrad_sink` (a flat tensor of the weight's size and dtype: the ddp layout's gradient bucket slice)
 has its tensorwise weight-gradient GEMM write there and hands autograd a view of it, so the gradient is not
-copied into the bucket afterwards (flux_train.training.ddp).
+copied into the bucket afterwards (flux_train.training.ddp). `gelu_forward(head, tail)` takes the input as
+[head | gelu(tail)] and, with delayed scaling, has the cast apply the GELU and the join as it reads (the MLPs'
+second Linear and the single blocks' linear2: flux_train.model.flux.gelu_linear).
 On a CPU the same quantisation is emulated with a dequantised matmul, so the recipes' numerics can be checked
 anywhere. Shapes with a dimension not divisible by 16 fall back to bf16.
 

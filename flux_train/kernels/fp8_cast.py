@@ -18,7 +18,9 @@ Returns (q or, without `rows`, an empty tensor, q transposed or an empty tensor,
 `column_sums` x's fp32 sums over its rows: a bias gradient when x is the output gradient, at no extra read); the
 kernels' LAYOUTS says which it writes (1: q, 2: q transposed, 3: both). `cast_transpose_pair` casts a GEMM's two
 forward operands (x and W, the same K) in one launch: inside a captured step the launches, not the bytes, are
-what the small casts cost.
+what the small casts cost. With delayed scaling the pair's first operand can come as [head | gelu(tail)]: the kernel
+applies the GELU (torch's tanh approximation, rounded to bf16 as torch's GELU writes it) and the join as it reads,
+so a GELU's output is never written in bf16 to be read again by its cast (`gelu_tail`, FP8Linear.gelu_forward).
 
 The Triton path is a `torch.library.triton_op`: torch.compile calls the kernels as they are (Inductor does not
 re-trace them) and CUDA graphs capture them. `cast_transpose_torch` is the same in torch ops: the CPU path
@@ -75,9 +77,9 @@ if HAVE_TRITON:
             _amax_of(X2, SCALE + 1, AMAX + 1, n2, BLOCK)
 
     @triton.jit
-    def _gelu_tanh(h, INTERPRETED: tl.constexpr):
-        # torch's GELU(approximate="tanh") in its own order of operations (fp32), rounded to bf16 (nearest even,
-        # by bits: the interpreter's own conversion truncates) as the unfused GELU writes it; NaN stays NaN
+    def _gelu_tanh(h, TO_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        # torch's GELU(approximate="tanh") in its own order of operations (fp32); of a bf16 input rounded to bf16
+        # (nearest even, by bits: the interpreter's own conversion truncates) as the unfused GELU writes it
         inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
         if INTERPRETED:  # no libdevice: tanh from exp, odd by construction (tanh(10) is 1 in fp32)
             t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.abs(inner), 10.0)) + 1.0)
@@ -85,9 +87,11 @@ if HAVE_TRITON:
         else:
             t = libdevice.tanh(inner)
         g = 0.5 * h * (1.0 + t)  # pyright: ignore[reportOperatorIssue] - Triton's extern functions declare no type
-        bits = g.to(tl.uint32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        return tl.where(g != g, g, rounded)
+        if TO_BF16:
+            bits = g.to(tl.uint32, bitcast=True)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            g = tl.where(g != g, g, rounded)  # NaN stays NaN
+        return g
 
     @triton.jit
     def _load_tile(
@@ -104,7 +108,7 @@ if HAVE_TRITON:
             x = tl.load(head, mask=mask & (cols < K_HEAD), other=0.0).to(tl.float32)
             tail = TAIL + (row0.to(tl.int64) * ST + col0 - K_HEAD) + (rm[:, None] * ST + rk[None, :])
             h = tl.load(tail, mask=mask & (cols >= K_HEAD), other=0.0).to(tl.float32)
-            x = tl.where(cols < K_HEAD, x, _gelu_tanh(h, INTERPRETED))
+            x = tl.where(cols < K_HEAD, x, _gelu_tanh(h, TAIL.dtype.element_ty == tl.bfloat16, INTERPRETED))
         else:
             x = tl.load(head, mask=mask, other=0.0).to(tl.float32)
         return x, mask

@@ -176,6 +176,21 @@ def test_cast_pair_kernel_applies_the_gelu_as_it_reads_bit_for_bit_as_torchs_gel
     assert torch.equal(tq[2], xs) and torch.equal(bits(tq[0].float()), bits(xq))
 
 
+def test_cast_pair_kernel_keeps_an_fp32_gelu_in_fp32():
+    """An fp32 model's GELU output is not rounded to bf16 by the kernel that applies it (only a bf16 one is, as
+    torch's bf16 GELU rounds): its values are torch's fp32 GELU's to fp32 precision (a bf16 rounding is 2^-9)."""
+    from flux_train.kernels.fp8_cast import _cast_transpose_pair_triton
+
+    g = torch.Generator().manual_seed(7)
+    tail, w = torch.randn(64, 160, generator=g) * 3, torch.randn(32, 160, generator=g)
+    amax, scales = torch.zeros(2, device=DEVICE), torch.tensor([1.0, 1.0], device=DEVICE)  # q = x: the values
+    out = _cast_transpose_pair_triton(
+        tail.new_empty(64, 0).to(DEVICE), w.to(DEVICE), scales, amax, counts(2), torch.float32, 448.0, tail.to(DEVICE)
+    )
+    want = torch.nn.functional.gelu(tail, approximate="tanh")
+    assert torch.allclose(out[0].cpu(), want, rtol=2**-20, atol=2**-20)
+
+
 @pytest.mark.parametrize("counted", [False, True])
 def test_cast_kernel_writes_only_the_transpose_when_asked(counted):
     """The backward's cast of a weight gathered again (FP8Linear.recast_weight) writes only the transposed layout,
