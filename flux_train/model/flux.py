@@ -31,6 +31,7 @@ from torch import nn
 from flux_train.config import ModelConfig
 from flux_train.kernels import RMSNorm
 from flux_train.kernels.fp8 import FP8Linear
+from flux_train.kernels.fp8_cast import gelu_tanh_joined
 
 TIME_EMBED_DIM = 256
 TIME_FACTOR = 1000.0
@@ -146,8 +147,7 @@ def gelu_linear(linear: nn.Module, head: torch.Tensor | None, tail: torch.Tensor
     parts and applies the GELU as its cast reads them (FP8Linear.gelu_forward): no bf16 copy written and read."""
     if isinstance(linear, FP8Linear) and linear.fuses_gelu(tail):
         return linear.gelu_forward(head, tail)
-    x = F.gelu(tail, approximate="tanh")
-    return linear(x if head is None else torch.cat((head, x), dim=-1))
+    return linear(F.gelu(tail, approximate="tanh") if head is None else gelu_tanh_joined(head, tail))
 
 
 class MLP(nn.Sequential):
