@@ -79,7 +79,14 @@ def test_a_loader_worker_s_fd_sharing_cut_by_ctrl_c_prints_nothing_after_the_one
     )
     vanishing_peer()
     assert code == 0 and reported == []
-    thread = threading.Thread(target=lambda: sys.excepthook(ConnectionResetError, ConnectionResetError(), None))
+
+    def elsewhere() -> None:  # the same error, raised outside the resource sharer, reported the way it reports
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except ConnectionResetError:
+            sys.excepthook(*sys.exc_info())
+
+    thread = threading.Thread(target=elsewhere)
     thread.start(), thread.join()
     assert reported == [ConnectionResetError]
 
