@@ -208,6 +208,7 @@ class FP8Linear(nn.Linear):
     history: int = 16
     wgrad_sink: torch.Tensor | None = None  # flat; where the tensorwise recipes write the weight gradient (ddp sets it)
     recast_weight: bool = False  # cast the weight again in backward instead of keeping its e4m3 copy (fsdp sets it)
+    gelu_in_cast: bool = True  # gelu_forward where the recipe allows (perf.fp8_gelu_in_cast)
     # buffers FP8Scaling.of registers
     fp8_scale: torch.Tensor
     fp8_amax: torch.Tensor
@@ -230,8 +231,8 @@ class FP8Linear(nn.Linear):
 
     def fuses_gelu(self, tail: torch.Tensor) -> bool:
         """Whether gelu_forward can take this input: delayed scaling (the cast applies the GELU as it reads, with
-        the scale known before), at shapes the FP8 GEMMs take."""
-        return bool(self.recipe.history) and self._gemm_takes(tail.numel() // tail.shape[-1])
+        the scale known before), at shapes the FP8 GEMMs take, unless turned off (gelu_in_cast)."""
+        return self.gelu_in_cast and bool(self.recipe.history) and self._gemm_takes(tail.numel() // tail.shape[-1])
 
     def gelu_forward(self, head: torch.Tensor | None, tail: torch.Tensor) -> torch.Tensor:
         """self([head | gelu(tail)]) (GELU's tanh approximation; head None: self(gelu(tail))), the GELU and the join
@@ -264,14 +265,16 @@ class FP8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe.name}, fp8={self.fp8_dtype}"
 
 
-def convert_to_fp8(model: nn.Module, recipe: str, dtype: torch.dtype, module_filter, history: int = 16) -> nn.Module:
+def convert_to_fp8(
+    model: nn.Module, recipe: str, dtype: torch.dtype, module_filter, history: int = 16, gelu_in_cast: bool = True
+) -> nn.Module:
     """Turn the Linears that `module_filter(fqn, module)` selects into FP8Linear in place (meta or real); their
     scale buffers are made by `FP8Scaling.of` once the model is on its device."""
     for fqn, module in list(model.named_modules()):
         if module_filter(fqn, module) and type(module) is nn.Linear:
             module.__class__ = FP8Linear
             fp8 = typing.cast(FP8Linear, module)
-            fp8.recipe, fp8.fp8_dtype, fp8.history = RECIPES[recipe], dtype, history
+            fp8.recipe, fp8.fp8_dtype, fp8.history, fp8.gelu_in_cast = RECIPES[recipe], dtype, history, gelu_in_cast
     return model
 
 

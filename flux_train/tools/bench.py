@@ -47,7 +47,7 @@ from flux_train.data.sources import synthetic_samples
 from flux_train.errors import UserError, reports_user_errors, write_output
 from flux_train.model import flow
 from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
-from flux_train.model.flux import build_model, flops_per_sample, init_weights, is_token_linear
+from flux_train.model.flux import MLP_RATIO, build_model, flops_per_sample, init_weights, is_token_linear
 from flux_train.precision_recipes import RECIPES, fp8_row
 from flux_train.tools.bench_table import kernel_breakdown, precision_of, print_table, read_rows
 from flux_train.training.distributed import is_out_of_memory
@@ -260,6 +260,35 @@ def token_gemm_operands(cfg: Config, batch: int, text_len: int, image_tokens: in
     return shapes
 
 
+def gelu_cast_inputs(cfg: Config, batch: int, text_len: int, image_tokens: int) -> list[tuple[int, int, int, int]]:
+    """(rows, head columns, tail columns, count) of every input one forward casts with its GELU applied as the cast
+    reads (model.flux.gelu_linear): each double block's two MLP output projections (no head), each single
+    block's linear2 (head: the attention's output; tail: a column slice of linear1's output)."""
+    hidden = cfg.model.attention_head_dim * cfg.model.num_attention_heads
+    double, single = cfg.model.num_layers, cfg.model.num_single_layers
+    tail = MLP_RATIO * hidden
+    inputs = [(batch * image_tokens, 0, tail, double), (batch * text_len, 0, tail, double)]
+    return inputs + [(batch * (text_len + image_tokens), hidden, tail, single)]
+
+
+def gelu_cast_seconds(m: int, head: int, tail: int, fp8: torch.dtype) -> tuple[float, float]:
+    """GPU seconds of the cast of [head | gelu(tail)] and its weight with delayed scaling: (the GELU applied by
+    the cast as it reads, the GELU and the join written in bf16 by Inductor first as the unfused path does). A
+    single block's tail is a column slice of linear1's output, as there."""
+    from flux_train.kernels.fp8_cast import cast_transpose_pair, gelu_tanh_joined
+
+    hidden = tail // MLP_RATIO
+    x = torch.randn(m, head, device="cuda").bfloat16()
+    t = torch.randn(m, (3 * hidden if head else 0) + tail, device="cuda").bfloat16()[:, -tail:]
+    w = torch.randn(hidden, head + tail, device="cuda").bfloat16()
+    scales, amax = torch.full((2,), 1e-2, device="cuda"), torch.zeros(2, device="cuda")
+    arrivals = torch.zeros(2, dtype=torch.int32, device="cuda")
+    joined = torch.compile(gelu_tanh_joined)
+    fused = cuda_seconds(lambda: cast_transpose_pair(x, w, scales, amax, fp8, arrivals=arrivals, gelu_tail=t), 5, False)
+    apart = cuda_seconds(lambda: cast_transpose_pair(joined(x, t), w, scales, amax, fp8, arrivals=arrivals), 5, False)
+    return fused, apart
+
+
 def copy_rate() -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read and written (the bandwidth a cast can reach)."""
     x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -312,7 +341,7 @@ def run_casts(cfg: Config, args, row: str) -> dict:
         per_shape.append([m, k, count, round(seconds * 1e6, 1), round(moved / seconds / 1e9)])
         total += seconds * count
         floor += moved / rate * count
-    return {
+    result = {
         "mode": "casts",
         "row": row,
         "batch": args.batch,
@@ -321,6 +350,13 @@ def run_casts(cfg: Config, args, row: str) -> dict:
         "copy_tb_s": round(rate / 1e12, 2),
         "shapes": per_shape,
     }
+    if delayed:  # the inputs whose GELU the cast applies: in the cast, or written apart first
+        inputs = gelu_cast_inputs(cfg, args.batch, args.text_len, (args.latent // 2) ** 2)
+        result["gelu"] = [
+            [m, head, tail, count, *(round(s * 1e6, 1) for s in gelu_cast_seconds(m, head, tail, fp8))]
+            for m, head, tail, count in inputs
+        ]
+    return result
 
 
 # ------------------------------------------------------------------------------------ collectives

@@ -119,11 +119,12 @@ class TorchaoFP8(NoFP8):
 class OurFP8(NoFP8):
     """Our FP8 layers (flux_train/kernels/fp8.py) with current scaling, per tensor or per row: no state."""
 
-    def __init__(self, recipe: Recipe, device: torch.device, history: int = 16):
-        self.recipe, self.device, self.history = recipe, device, history
+    def __init__(self, recipe: Recipe, device: torch.device, history: int = 16, gelu_in_cast: bool = True):
+        self.recipe, self.device, self.history, self.gelu_in_cast = recipe, device, history, gelu_in_cast
 
     def convert(self, model: nn.Module) -> nn.Module:
-        return convert_to_fp8(model, self.recipe.name, device_e4m3(self.device), is_token_linear, self.history)
+        dtype = device_e4m3(self.device)
+        return convert_to_fp8(model, self.recipe.name, dtype, is_token_linear, self.history, self.gelu_in_cast)
 
     def attach(self, model: nn.Module) -> None:
         FP8Scaling.of(model, self.device)  # the layers' scale buffers; current scaling has no scaling to drive
@@ -136,8 +137,8 @@ class DelayedFP8(OurFP8):
     scaling: FP8Scaling  # made by attach
     names: list[str]  # its layers', as the model names them
 
-    def __init__(self, recipe: Recipe, device: torch.device, history: int, margin: int):
-        super().__init__(recipe, device, history)
+    def __init__(self, recipe: Recipe, device: torch.device, history: int, margin: int, gelu_in_cast: bool = True):
+        super().__init__(recipe, device, history, gelu_in_cast)
         self.margin = margin
         self.mark: tuple[int, torch.Tensor] | None = None  # (step, saturations by pair) where warning's window starts
         self.warned = False
@@ -205,5 +206,5 @@ def precision_for(perf: PerfConfig, device: torch.device) -> Precision:
     if perf.fp8_impl == "torchao":
         return TorchaoFP8(recipe, device)
     if recipe.history:
-        return DelayedFP8(recipe, device, perf.fp8_amax_history, perf.fp8_margin)
+        return DelayedFP8(recipe, device, perf.fp8_amax_history, perf.fp8_margin, perf.fp8_gelu_in_cast)
     return OurFP8(recipe, device)

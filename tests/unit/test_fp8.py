@@ -436,6 +436,31 @@ def test_fp8_linear_applying_the_gelu_as_it_casts_computes_what_the_gelu_then_th
     assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True], strict=True))
 
 
+@pytest.mark.parametrize("in_cast", [True, False])
+def test_perf_fp8_gelu_in_cast_false_runs_every_gelu_apart_before_its_layer(in_cast, monkeypatch):
+    """perf.fp8_gelu_in_cast: with it (the default) each MLP's and single block's GELU goes through its FP8 layer's
+    gelu_forward; without it none does (the bf16 GELU first, the comparison the bench makes)."""
+    from flux_train.config import PerfConfig, load_config
+    from flux_train.model.flux import build_model, init_weights
+    from flux_train.training.precision import precision_for
+    from tests.unit.test_model import inputs64
+
+    cfg = load_config("configs/debug.yaml").model
+    model = build_model(cfg)
+    model.to_empty(device="cpu")
+    init_weights(model, seed=0)
+    perf = PerfConfig(fp8="delayed", fp8_gelu_in_cast=in_cast)
+    precision = precision_for(perf, torch.device("cpu"))
+    precision.convert(model)
+    precision.attach(model)
+    calls = []
+    fused = FP8Linear.gelu_forward
+    monkeypatch.setattr(FP8Linear, "gelu_forward", lambda *a: calls.append(1) or fused(*a))
+    with torch.no_grad():
+        model(**{k: v.float() for k, v in inputs64(cfg).items()})
+    assert len(calls) == (2 * cfg.num_layers + cfg.num_single_layers if in_cast else 0)
+
+
 @pytest.mark.parametrize("impl", ["ours", "torchao"])
 def test_fp8_conversion_swaps_only_the_token_linears_and_keeps_the_weights(impl):
     """Ours and torchao's Float8Linear take the same modules (not the adaLN modulations, whose weight-gradient
