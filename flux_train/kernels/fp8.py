@@ -208,7 +208,7 @@ class FP8Linear(nn.Linear):
     history: int = 16
     wgrad_sink: torch.Tensor | None = None  # flat; where the tensorwise recipes write the weight gradient (ddp sets it)
     recast_weight: bool = False  # cast the weight again in backward instead of keeping its e4m3 copy (fsdp sets it)
-    gelu_in_cast: bool = True  # gelu_forward where the recipe allows (perf.fp8_gelu_in_cast)
+    gelu_in_cast: bool = False  # gelu_forward where the recipe allows (perf.fp8_gelu_in_cast)
     # buffers FP8Scaling.of registers
     fp8_scale: torch.Tensor
     fp8_amax: torch.Tensor
@@ -231,7 +231,7 @@ class FP8Linear(nn.Linear):
 
     def fuses_gelu(self, tail: torch.Tensor) -> bool:
         """Whether gelu_forward can take this input: delayed scaling (the cast applies the GELU as it reads, with
-        the scale known before), at shapes the FP8 GEMMs take, unless turned off (gelu_in_cast)."""
+        the scale known before), at shapes the FP8 GEMMs take, where asked (gelu_in_cast)."""
         return self.gelu_in_cast and bool(self.recipe.history) and self._gemm_takes(tail.numel() // tail.shape[-1])
 
     def gelu_forward(self, head: torch.Tensor | None, tail: torch.Tensor) -> torch.Tensor:
@@ -266,7 +266,7 @@ class FP8Linear(nn.Linear):
 
 
 def convert_to_fp8(
-    model: nn.Module, recipe: str, dtype: torch.dtype, module_filter, history: int = 16, gelu_in_cast: bool = True
+    model: nn.Module, recipe: str, dtype: torch.dtype, module_filter, history: int = 16, gelu_in_cast: bool = False
 ) -> nn.Module:
     """Turn the Linears that `module_filter(fqn, module)` selects into FP8Linear in place (meta or real); their
     scale buffers are made by `FP8Scaling.of` once the model is on its device."""

@@ -119,7 +119,7 @@ class TorchaoFP8(NoFP8):
 class OurFP8(NoFP8):
     """Our FP8 layers (flux_train/kernels/fp8.py) with current scaling, per tensor or per row: no state."""
 
-    def __init__(self, recipe: Recipe, device: torch.device, history: int = 16, gelu_in_cast: bool = True):
+    def __init__(self, recipe: Recipe, device: torch.device, history: int = 16, gelu_in_cast: bool = False):
         self.recipe, self.device, self.history, self.gelu_in_cast = recipe, device, history, gelu_in_cast
 
     def convert(self, model: nn.Module) -> nn.Module:
@@ -137,7 +137,7 @@ class DelayedFP8(OurFP8):
     scaling: FP8Scaling  # made by attach
     names: list[str]  # its layers', as the model names them
 
-    def __init__(self, recipe: Recipe, device: torch.device, history: int, margin: int, gelu_in_cast: bool = True):
+    def __init__(self, recipe: Recipe, device: torch.device, history: int, margin: int, gelu_in_cast: bool = False):
         super().__init__(recipe, device, history, gelu_in_cast)
         self.margin = margin
         self.mark: tuple[int, torch.Tensor] | None = None  # (step, saturations by pair) where warning's window starts

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from flux_train.kernels.fp8 import FP8Scaling, convert_to_fp8
+from flux_train.kernels.fp8 import FP8Linear, FP8Scaling, convert_to_fp8
 
 E4M3 = torch.float8_e4m3fn
 DEVICE = "cuda"
@@ -45,9 +45,9 @@ def test_a_single_block_s_mlp_casting_its_gelu_input_computes_what_the_gelu_then
     for fused in (False, True):
         linear2 = nn.Linear(5 * width, width).to(DEVICE, torch.bfloat16)
         linear2.load_state_dict(weights)
-        convert_to_fp8(linear2, "delayed", E4M3, lambda fqn, m: True)
+        convert_to_fp8(linear2, "delayed", E4M3, lambda fqn, m: True, gelu_in_cast=True)
         scaling = FP8Scaling.of(linear2, torch.device(DEVICE))
-        assert scaling is not None
+        assert scaling is not None and isinstance(linear2, FP8Linear) and linear2.fuses_gelu(batches[0])
 
         def mlp(x, linear2=linear2, fused=fused):
             qkv, tail = linear1(x).split([3 * width, 4 * width], dim=-1)

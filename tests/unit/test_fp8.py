@@ -419,7 +419,7 @@ def test_fp8_linear_applying_the_gelu_as_it_casts_computes_what_the_gelu_then_th
         with torch.no_grad():
             lin.weight.copy_(w)
             lin.bias.copy_(b)
-        convert_to_fp8(lin, "delayed", E4M3, lambda fqn, m: True)
+        convert_to_fp8(lin, "delayed", E4M3, lambda fqn, m: True, gelu_in_cast=True)
         scaling = FP8Scaling.of(lin, torch.device(DEVICE))
         assert isinstance(lin, FP8Linear) and lin.fuses_gelu(torch.empty(4, 32, 64))
         seen[fused] = []
@@ -437,9 +437,9 @@ def test_fp8_linear_applying_the_gelu_as_it_casts_computes_what_the_gelu_then_th
 
 
 @pytest.mark.parametrize("in_cast", [True, False])
-def test_perf_fp8_gelu_in_cast_false_runs_every_gelu_apart_before_its_layer(in_cast, monkeypatch):
-    """perf.fp8_gelu_in_cast: with it (the default) each MLP's and single block's GELU goes through its FP8 layer's
-    gelu_forward; without it none does (the bf16 GELU first, the comparison the bench makes)."""
+def test_perf_fp8_gelu_in_cast_sends_every_gelu_through_its_layers_cast(in_cast, monkeypatch):
+    """perf.fp8_gelu_in_cast: with it each MLP's and single block's GELU goes through its FP8 layer's gelu_forward;
+    without it (the default) none does: the bf16 GELU first."""
     from flux_train.config import PerfConfig, load_config
     from flux_train.model.flux import build_model, init_weights
     from flux_train.training.precision import precision_for
