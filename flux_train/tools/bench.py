@@ -284,8 +284,12 @@ def gelu_cast_seconds(m: int, head: int, tail: int, fp8: torch.dtype) -> tuple[f
     scales, amax = torch.full((2,), 1e-2, device="cuda"), torch.zeros(2, device="cuda")
     arrivals = torch.zeros(2, dtype=torch.int32, device="cuda")
     joined = torch.compile(gelu_tanh_joined)
-    fused = cuda_seconds(lambda: cast_transpose_pair(x, w, scales, amax, fp8, arrivals=arrivals, gelu_tail=t), 5, False)
-    apart = cuda_seconds(lambda: cast_transpose_pair(joined(x, t), w, scales, amax, fp8, arrivals=arrivals), 5, False)
+    fused = cuda_seconds(
+        lambda: cast_transpose_pair(x, w, scales, amax, fp8, arrivals=arrivals, gelu_tail=t), iters=5, graphed=False
+    )
+    apart = cuda_seconds(
+        lambda: cast_transpose_pair(joined(x, t), w, scales, amax, fp8, arrivals=arrivals), iters=5, graphed=False
+    )
     return fused, apart
 
 
