@@ -28,8 +28,9 @@
 #                                      config of the host's kind (WHOLE_CONFIG; configs/systems/H100_01x04.yaml on 4
 #                                      H100), profiled: stock FSDP2 at micro-batch 8 without checkpointing, stock with
 #                                      diffusers' checkpointing, ours bf16 and FP8 delayed, in the config's layout
-#                                      and micro-batch (WHOLE_MB sets another); WHOLE_ROWS="stock stock-ac bf16 fp8" picks (each row 2.5-4
-#                                      minutes on 4 H100: two rows fit a 10-minute call)
+#                                      and micro-batch (WHOLE_MB sets another); WHOLE_ROWS="stock stock-ac bf16 fp8" picks (on 4 H100
+#                                      stock took 3 minutes, FP8 6.5 of which 2.2 its start-up: give it STAGE_TIMEOUT=480;
+#                                      two rows at most fit a 10-minute call)
 #   bash tests/gpu_check.sh trainer    the trainer itself on all GPUs, the whole model as a system config runs it
 #                                      (TRAINER_CONFIG; default configs/systems/H100_01x04.yaml, H200_01x04.yaml on
 #                                      H200s) on synthetic data of the bench's shapes, TRAINER_STEPS (30) steps:

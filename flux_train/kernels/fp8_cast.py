@@ -79,7 +79,7 @@ if HAVE_TRITON:
     @triton.jit
     def _gelu_tanh(h, TO_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
         # torch's GELU(approximate="tanh") in its own order of operations (fp32); of a bf16 input rounded to bf16
-        # (nearest even, by bits: the interpreter's own conversion truncates) as the unfused GELU writes it
+        # (nearest even) as the unfused GELU writes it
         inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
         if INTERPRETED:  # no libdevice: tanh from exp, odd by construction (tanh(10) is 1 in fp32)
             t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.abs(inner), 10.0)) + 1.0)
@@ -88,9 +88,12 @@ if HAVE_TRITON:
             t = libdevice.tanh(inner)
         g = 0.5 * h * (1.0 + t)  # pyright: ignore[reportOperatorIssue] - Triton's extern functions declare no type
         if TO_BF16:
-            bits = g.to(tl.uint32, bitcast=True)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-            g = tl.where(g != g, g, rounded)  # NaN stays NaN
+            if INTERPRETED:  # the interpreter's conversion truncates: nearest even by bits
+                bits = g.to(tl.uint32, bitcast=True)
+                rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+                g = tl.where(g != g, g, rounded)  # NaN stays NaN
+            else:  # the GPU's conversion rounds to nearest even: 3 instructions an element fewer than the bits
+                g = g.to(tl.bfloat16).to(tl.float32)
         return g
 
     @triton.jit
@@ -104,11 +107,18 @@ if HAVE_TRITON:
         # 64-bit offset of the tile, 32-bit offsets within it (keeps the contiguity Triton coalesces by)
         head = X + (row0.to(tl.int64) * SX + col0) + (rm[:, None] * SX + rk[None, :])
         if GELU:
-            cols = col0 + rk[None, :]
-            x = tl.load(head, mask=mask & (cols < K_HEAD), other=0.0).to(tl.float32)
+            to_bf16 = TAIL.dtype.element_ty == tl.bfloat16
             tail = TAIL + (row0.to(tl.int64) * ST + col0 - K_HEAD) + (rm[:, None] * ST + rk[None, :])
-            h = tl.load(tail, mask=mask & (cols >= K_HEAD), other=0.0).to(tl.float32)
-            x = tl.where(cols < K_HEAD, x, _gelu_tanh(h, TAIL.dtype.element_ty == tl.bfloat16, INTERPRETED))
+            # a tile wholly of one part reads that part alone (the tail's: the GELU on its own elements only)
+            if col0 >= K_HEAD:
+                x = _gelu_tanh(tl.load(tail, mask=mask, other=0.0).to(tl.float32), to_bf16, INTERPRETED)
+            elif col0 + BK <= K_HEAD:
+                x = tl.load(head, mask=mask, other=0.0).to(tl.float32)
+            else:  # across the join (a head width no multiple of BK)
+                cols = col0 + rk[None, :]
+                x = tl.load(head, mask=mask & (cols < K_HEAD), other=0.0).to(tl.float32)
+                h = tl.load(tail, mask=mask & (cols >= K_HEAD), other=0.0).to(tl.float32)
+                x = tl.where(cols < K_HEAD, x, _gelu_tanh(h, to_bf16, INTERPRETED))
         else:
             x = tl.load(head, mask=mask, other=0.0).to(tl.float32)
         return x, mask
@@ -169,7 +179,9 @@ if HAVE_TRITON:
     ):
         row0, col0 = tile_m * BM, tile_k * BK
         x, mask = _load_tile(X, TAIL, M, K, K_HEAD, SX, ST, row0, col0, GELU, INTERPRETED, BM, BK)
-        tile_amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        # one reduction over the whole tile: rows first (axis=1) cost 15 more instructions an element on sm_90
+        # (shuffles per row), a third of the kernel's, which made the cast issue-bound rather than memory-bound
+        tile_amax = tl.max(tl.abs(x))
         if COLUMN_SUMS:  # this tile's column sums, one row of partials per row tile (summed in a fixed order after)
             rk = tl.arange(0, BK)
             tl.store(SUMS + tile_m * K + col0 + rk, tl.sum(x, axis=0), mask=col0 + rk < K)
@@ -242,7 +254,8 @@ if HAVE_TRITON:
     # rows x columns of x (256-byte loads, 128- and 64-byte stores per row/column), warps: measured on an H200
     # over the step's operand shapes, 1.34x the copy-rate floor without column sums and 1.7x with them (64 x 128
     # with 8 warps: 1.35x and 2.3x; 128 x 128: 1.8x; 32 x 64: 1.8x); on an H100 over a batch-4 step's operands,
-    # 24 tiles: this one 1.33x, the best (128 x 64) 1.31x
+    # 24 tiles: this one 1.33x, the best (128 x 64) 1.31x. All with the tile's amax reduced rows first, which cost
+    # a third of the kernel's instructions: to be measured again
     _TILE = (64, 128, 4)
 
     def _amax_programs(x: torch.Tensor) -> int:

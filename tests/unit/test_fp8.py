@@ -145,7 +145,9 @@ def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales, c
         assert torch.equal(tq[3].float(), wq.to(E4M3).float()) and torch.equal(tq[1], tq[0].t())
 
 
-@pytest.mark.parametrize("head_columns", [0, 48])  # an MLP's output projection / a single block's linear2
+# an MLP's output projection / a single block's linear2: the kernel's tiles (128 columns) of the tail alone, across
+# the join, of the head alone
+@pytest.mark.parametrize("head_columns", [0, 48, 160])
 @pytest.mark.parametrize("scales", [(0.0, 0.0), (0.05, 0.004)])  # no history (the last program casts) / delayed
 def test_cast_pair_kernel_applies_the_gelu_as_it_reads_bit_for_bit_as_torchs_gelu_then_the_cast(head_columns, scales):
     """The first operand given as [head | gelu(tail)] (tail a view whose rows are apart, as linear1's split leaves
