@@ -145,20 +145,32 @@ def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales, c
         assert torch.equal(tq[3].float(), wq.to(E4M3).float()) and torch.equal(tq[1], tq[0].t())
 
 
-# an MLP's output projection / a single block's linear2: the kernel's tiles (128 columns) of the tail alone, across
-# the join, of the head alone
-@pytest.mark.parametrize("head_columns", [0, 48, 160])
+# (rows, head columns, tail columns, W's rows): an MLP's output projection (no head) / a single block's linear2;
+# the kernel's tiles (64 x 128) of the tail alone, across the join, of the head alone; ragged, and whole tiles
+# (the kernel's path without bounds checks, which every Flux operand takes)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (100, 0, 160, 48),
+        (100, 48, 160, 48),
+        (100, 160, 160, 48),
+        (128, 0, 256, 64),
+        (128, 64, 192, 64),
+        (128, 128, 256, 64),
+    ],
+)
 @pytest.mark.parametrize("scales", [(0.0, 0.0), (0.05, 0.004)])  # no history (the last program casts) / delayed
-def test_cast_pair_kernel_applies_the_gelu_as_it_reads_bit_for_bit_as_torchs_gelu_then_the_cast(head_columns, scales):
+def test_cast_pair_kernel_applies_the_gelu_as_it_reads_bit_for_bit_as_torchs_gelu_then_the_cast(shape, scales):
     """The first operand given as [head | gelu(tail)] (tail a view whose rows are apart, as linear1's split leaves
     the MLP's input): the kernel applies torch's GELU as it reads, and its e4m3 values in both layouts, scale and
     amax are those of torch's GELU, the concatenation, then the same kernel: bit for bit, W's too."""
     from flux_train.kernels.fp8_cast import _cast_transpose_pair_triton, cast_transpose_pair, gelu_tanh_joined
 
+    rows, head_columns, tail_columns, w_rows = shape
     g = torch.Generator().manual_seed(head_columns)
-    wide = (torch.randn(100, 300, generator=g) * 3).bfloat16()  # tails from -13 to 13: GELU's whole range
-    head, tail = wide[:, 300 - head_columns :].contiguous(), wide[:, 40 : 40 + 160]
-    w = (torch.randn(48, head_columns + 160, generator=g)).bfloat16()
+    wide = (torch.randn(rows, 400, generator=g) * 3).bfloat16()  # tails from -13 to 13: GELU's whole range
+    head, tail = wide[:, 400 - head_columns :].contiguous(), wide[:, 40 : 40 + tail_columns]
+    w = (torch.randn(w_rows, head_columns + tail_columns, generator=g)).bfloat16()
     x = gelu_tanh_joined(head, tail)
     results = []
     for first, gelu_tail in ((x, None), (head, tail)):
