@@ -47,7 +47,14 @@ from flux_train.data.sources import synthetic_samples
 from flux_train.errors import UserError, reports_user_errors, write_output
 from flux_train.model import flow
 from flux_train.model.diffusers_adapter import diffusers_config, diffusers_inputs
-from flux_train.model.flux import MLP_RATIO, build_model, flops_per_sample, init_weights, is_token_linear
+from flux_train.model.flux import (
+    MLP,
+    SingleStreamBlock,
+    build_model,
+    flops_per_sample,
+    init_weights,
+    is_token_linear,
+)
 from flux_train.precision_recipes import RECIPES, fp8_row
 from flux_train.tools.bench_table import kernel_breakdown, precision_of, print_table, read_rows
 from flux_train.training.distributed import is_out_of_memory
@@ -244,6 +251,12 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
 # ------------------------------------------------------------------------------------ FP8 casts alone
 
 
+def tokens_of(fqn: str, batch: int, text_len: int, image_tokens: int) -> int:
+    """The tokens in the batch a block's module at `fqn` takes: the text stream's, the image stream's, or both
+    (the single blocks)."""
+    return batch * (text_len if ".txt_" in fqn else image_tokens if ".img_" in fqn else text_len + image_tokens)
+
+
 def token_gemm_operands(cfg: Config, batch: int, text_len: int, image_tokens: int) -> dict[tuple[int, int], int]:
     """{(rows, cols): count} of every operand one forward+backward casts to FP8: x [M,K], W [N,K] and dY [M,N]
     of each of the blocks' token Linears (model.is_token_linear), M their tokens in the batch."""
@@ -252,7 +265,7 @@ def token_gemm_operands(cfg: Config, batch: int, text_len: int, image_tokens: in
     for fqn, module in model.named_modules():
         if not is_token_linear(fqn, module):
             continue
-        tokens = batch * (text_len if ".txt_" in fqn else image_tokens if ".img_" in fqn else text_len + image_tokens)
+        tokens = tokens_of(fqn, batch, text_len, image_tokens)
         assert isinstance(module, torch.nn.Linear)  # as is_token_linear's modules are
         n, k = module.weight.shape
         for shape in ((tokens, k), (n, k), (tokens, n)):
@@ -260,27 +273,36 @@ def token_gemm_operands(cfg: Config, batch: int, text_len: int, image_tokens: in
     return shapes
 
 
-def gelu_cast_inputs(cfg: Config, batch: int, text_len: int, image_tokens: int) -> list[tuple[int, int, int, int]]:
-    """(rows, head columns, tail columns, count) of every input one forward casts with its GELU applied as the cast
-    reads (model.flux.gelu_linear): each double block's two MLP output projections (no head), each single
-    block's linear2 (head: the attention's output; tail: a column slice of linear1's output)."""
-    hidden = cfg.model.attention_head_dim * cfg.model.num_attention_heads
-    double, single = cfg.model.num_layers, cfg.model.num_single_layers
-    tail = MLP_RATIO * hidden
-    inputs = [(batch * image_tokens, 0, tail, double), (batch * text_len, 0, tail, double)]
-    return inputs + [(batch * (text_len + image_tokens), hidden, tail, single)]
+def gelu_cast_inputs(cfg: Config, batch: int, text_len: int, image_tokens: int) -> dict[tuple, int]:
+    """{(rows, head columns, tail columns, the tail's row stride, the Linear's outputs): count} of every input one
+    forward casts with its GELU applied as the cast reads (model.flux.gelu_linear): each MLP's output projection
+    (no head), each single block's linear2 (head: the attention's output; tail: a column slice of linear1's
+    output)."""
+    inputs: dict[tuple, int] = {}
+    for fqn, module in build_model(cfg.model).named_modules():
+        m = tokens_of(fqn, batch, text_len, image_tokens)
+        if isinstance(module, MLP):
+            out = module[2]
+            key = (m, 0, out.in_features, out.in_features, out.out_features)
+        elif isinstance(module, SingleStreamBlock):
+            head, lin2 = module.hidden, module.linear2
+            key = (m, head, lin2.in_features - head, module.linear1.out_features, lin2.out_features)
+        else:
+            continue
+        inputs[key] = inputs.get(key, 0) + 1
+    return inputs
 
 
-def gelu_cast_seconds(m: int, head: int, tail: int, fp8: torch.dtype) -> tuple[float, float]:
-    """GPU seconds of the cast of [head | gelu(tail)] and its weight with delayed scaling: (the GELU applied by
-    the cast as it reads, the GELU and the join written in bf16 by Inductor first as the unfused path does). A
-    single block's tail is a column slice of linear1's output, as there."""
+def gelu_cast_seconds(m: int, head: int, tail: int, stride: int, n: int, fp8: torch.dtype) -> tuple[float, float]:
+    """GPU seconds of the cast of [head | gelu(tail)] ([m, head] and a column slice of an [m, stride] tensor, as
+    linear1's output leaves a single block's MLP input) and of its Linear's weight [n, head + tail], with delayed
+    scaling: (the GELU applied by the cast as it reads, the GELU and the join written in bf16 by Inductor first as
+    the unfused path does)."""
     from flux_train.kernels.fp8_cast import cast_transpose_pair, gelu_tanh_joined
 
-    hidden = tail // MLP_RATIO
     x = torch.randn(m, head, device="cuda").bfloat16()
-    t = torch.randn(m, (3 * hidden if head else 0) + tail, device="cuda").bfloat16()[:, -tail:]
-    w = torch.randn(hidden, head + tail, device="cuda").bfloat16()
+    t = torch.randn(m, stride, device="cuda").bfloat16()[:, -tail:]
+    w = torch.randn(n, head + tail, device="cuda").bfloat16()
     scales, amax = torch.full((2,), 1e-2, device="cuda"), torch.zeros(2, device="cuda")
     arrivals = torch.zeros(2, dtype=torch.int32, device="cuda")
     joined = torch.compile(gelu_tanh_joined)
@@ -357,8 +379,8 @@ def run_casts(cfg: Config, args, row: str) -> dict:
     if delayed:  # the inputs whose GELU the cast applies: in the cast, or written apart first
         inputs = gelu_cast_inputs(cfg, args.batch, args.text_len, (args.latent // 2) ** 2)
         result["gelu"] = [
-            [m, head, tail, count, *(round(s * 1e6, 1) for s in gelu_cast_seconds(m, head, tail, fp8))]
-            for m, head, tail, count in inputs
+            [m, head, tail, count, *(round(s * 1e6, 1) for s in gelu_cast_seconds(m, head, tail, stride, n, fp8))]
+            for (m, head, tail, stride, n), count in inputs.items()
         ]
     return result
 

@@ -137,7 +137,7 @@ class DelayedFP8(OurFP8):
     scaling: FP8Scaling  # made by attach
     names: list[str]  # its layers', as the model names them
 
-    def __init__(self, recipe: Recipe, device: torch.device, history: int, margin: int, gelu_in_cast: bool = False):
+    def __init__(self, recipe: Recipe, device: torch.device, history: int, margin: int, gelu_in_cast: bool):
         super().__init__(recipe, device, history, gelu_in_cast)
         self.margin = margin
         self.mark: tuple[int, torch.Tensor] | None = None  # (step, saturations by pair) where warning's window starts

@@ -200,8 +200,8 @@ def test_stock_rows_checkpoint_every_block_with_diffusers_own_when_ours_do():
 
 def test_the_casts_rows_gelu_inputs_are_those_a_forward_of_our_model_casts_with_their_gelu(monkeypatch, capsys):
     """`bench --mode casts` times the casts that apply a GELU at the shapes gelu_cast_inputs lists: the inputs that
-    a forward of our model hands gelu_linear (rows, head and tail columns, how many), and the table shows both
-    timings of each."""
+    a forward of our model hands gelu_linear (rows, head and tail columns, the tail's row stride, the Linear's
+    outputs, how many), and the table shows both timings of each."""
     from collections import Counter
 
     from flux_train.model import flux
@@ -214,8 +214,8 @@ def test_the_casts_rows_gelu_inputs_are_those_a_forward_of_our_model_casts_with_
     unwrapped = flux.gelu_linear
 
     def recording(linear, head, tail):
-        rows = tail.numel() // tail.shape[-1]
-        seen[(rows, 0 if head is None else head.shape[-1], tail.shape[-1])] += 1
+        rows, columns = tail.numel() // tail.shape[-1], tail.shape[-1]
+        seen[(rows, 0 if head is None else head.shape[-1], columns, tail.stride(-2), linear.out_features)] += 1
         return unwrapped(linear, head, tail)
 
     monkeypatch.setattr(flux, "gelu_linear", recording)
@@ -223,7 +223,7 @@ def test_the_casts_rows_gelu_inputs_are_those_a_forward_of_our_model_casts_with_
     with torch.no_grad():
         model(**{k: v.float() for k, v in kw.items()})
     listed = bench.gelu_cast_inputs(cfg, batch=2, text_len=8, image_tokens=16)
-    assert Counter({(m, head, tail): count for m, head, tail, count in listed}) == seen
+    assert Counter(listed) == seen
 
     row = {"mode": "casts", "row": "ours-fp8-delayed", "batch": 2, "ms": 1.0, "floor_ms": 0.8, "copy_tb_s": 3.0}
     bench_table.print_table([row | {"shapes": [], "gelu": [[32, 0, 256, 2, 10.5, 20.25]]}])
