@@ -6,8 +6,8 @@ Recipes (`perf.fp8`):
   (flux_train.kernels.fp8_cast) writes it in both layouts the tensor cores take and folds its amax into this
   step's maximum; after each optimizer step `FP8Scaling.update` turns every layer's maxima into the next
   step's scales in a few batched kernels, on the GPU (no host sync, so it runs inside a captured step). The
-  first step, before any history, scales from the current amax, without a kernel of its own for it: the cast
-  counts its programs in (`fp8_arrivals`), and the last to arrive casts the tensor alone (slow, those steps only).
+  first steps, before an operand has a history, scale it from its current amax (one more read of it, those
+  steps only).
 - "tensorwise": the same kernels with current scaling (one more read of each operand, for its amax).
 - "rowwise": one scale per row of each GEMM operand along its contraction dim (x per token, W per output
   channel in forward; dY per token and W per input channel for dX; dY and X per column for dW), the recipe
@@ -18,7 +18,7 @@ ones (under FSDP, `recast_weight`: the weight's are cast again from the weight g
 A layer given a `wgrad_sink` (a flat tensor of the weight's size and dtype: the ddp layout's gradient bucket slice)
 has its tensorwise weight-gradient GEMM write there and hands autograd a view of it, so the gradient is not
 copied into the bucket afterwards (flux_train.training.ddp). `gelu_forward(head, tail)` takes the input as
-[head | gelu(tail)] and, with delayed scaling, has the cast apply the GELU and the join as it reads (the MLPs'
+[head | gelu(tail)] and has the cast apply the GELU and the join as it reads (the MLPs'
 second Linear and the single blocks' linear2: flux_train.model.flux.gelu_linear).
 On a CPU the same quantisation is emulated with a dequantised matmul, so the recipes' numerics can be checked
 anywhere. Shapes with a dimension not divisible by 16 fall back to bf16.
@@ -124,19 +124,16 @@ def scaled_mm_into(
 class _TensorwiseLinear(torch.autograd.Function):
     """x2 @ weight^T + bias with one scale per tensor. `scales` [3] (x, w, dY; 0 = current scaling) are read,
     `amax` [2] (x, w) and `amax_grad` [1] (dY) raised to this call's maxima; the weight gradient is written
-    into `sink` where one is given. `arrivals` [2] and `arrivals_grad` [1] (or None) are the casts' counts
-    (kernels/fp8_cast.py). `recast_weight`: the backward casts the weight again (at the forward's scale, the same
+    into `sink` where one is given. `recast_weight`: the backward casts the weight again (at the forward's scale, the same
     bits) instead of keeping its e4m3 transpose from the forward: under FSDP the weight is gathered again for the
     backward anyway, and the kept copies were one byte per parameter of the whole model on every rank. With
     `gelu_tail` the input is [x2 | gelu(gelu_tail)], joined by the cast as it reads (FP8Linear.gelu_forward)."""
 
     @staticmethod
     def forward(
-        ctx, x2, weight, bias, scales, amax, amax_grad, arrivals, arrivals_grad, dtype, sink, recast_weight, gelu_tail
+        ctx, x2, weight, bias, scales, amax, amax_grad, dtype, sink, recast_weight, gelu_tail
     ):  # fmt: skip
-        xq, xq_t, xs, wq, wq_t, ws = cast_transpose_pair(
-            x2, weight, scales[0:2], amax, dtype, arrivals=arrivals, gelu_tail=gelu_tail
-        )
+        xq, xq_t, xs, wq, wq_t, ws = cast_transpose_pair(x2, weight, scales[0:2], amax, dtype, gelu_tail=gelu_tail)
         ctx.dtype, ctx.weight_dtype, ctx.x_dtype = dtype, weight.dtype, x2.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.recast_weight = recast_weight
@@ -145,7 +142,6 @@ class _TensorwiseLinear(torch.autograd.Function):
         kept = (xq_t, xs, weight if recast_weight else wq_t, ws, scales, amax, amax_grad, gelu_tail)
         ctx.save_for_backward(*kept)
         ctx.sink = sink  # not saved: every write into its bucket bumps the version counter the views share
-        ctx.arrivals_grad = arrivals_grad  # not saved either: a counter, zero between calls
         # the output in x's dtype: an fp32 model stays fp32 after its FP8 layers (attention included)
         return scaled_mm(xq, xs, wq.t(), ws, bias, fast_accum=True, out_dtype=x2.dtype)
 
@@ -157,9 +153,7 @@ class _TensorwiseLinear(torch.autograd.Function):
         sink = ctx.sink
         with_bias = ctx.bias_dtype is not None
         # the bias gradient (dY's column sums) comes from the same read of dY as its casts
-        dyq, dyq_t, dys, dbias = cast_transpose(
-            dy.contiguous(), scales[2], amax_grad, ctx.dtype, column_sums=with_bias, arrivals=ctx.arrivals_grad
-        )
+        dyq, dyq_t, dys, dbias = cast_transpose(dy.contiguous(), scales[2], amax_grad, ctx.dtype, column_sums=with_bias)
         dx = scaled_mm(dyq, dys, wq_t.t(), ws, out_dtype=ctx.x_dtype)  # dX = dY @ W, W as [N,K] column-major
         dtail = None
         if gelu_tail is not None:  # the joined input's gradient, split: the head's, and through the GELU the tail's
@@ -173,7 +167,7 @@ class _TensorwiseLinear(torch.autograd.Function):
             scaled_mm_into(dyq_t, dys, xq_t.t(), xs, sink)
             dw = sink.view(dyq_t.shape[0], xq_t.shape[0])
         dbias = dbias.to(ctx.bias_dtype) if with_bias else None
-        return dx, dw, dbias, None, None, None, None, None, None, None, None, dtail
+        return dx, dw, dbias, None, None, None, None, None, None, dtail
 
 
 class _RowwiseLinear(torch.autograd.Function):
@@ -214,8 +208,6 @@ class FP8Linear(nn.Linear):
     fp8_amax: torch.Tensor
     fp8_amax_grad: torch.Tensor
     fp8_history: torch.Tensor
-    fp8_arrivals: torch.Tensor
-    fp8_arrivals_grad: torch.Tensor
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name for it
         x = input
@@ -230,9 +222,9 @@ class FP8Linear(nn.Linear):
         return self._tensorwise(x2, weight, None).reshape(*x.shape[:-1], n)
 
     def fuses_gelu(self, tail: torch.Tensor) -> bool:
-        """Whether gelu_forward can take this input: delayed scaling (the cast applies the GELU as it reads, with
-        the scale known before), at shapes the FP8 GEMMs take, where asked (gelu_in_cast)."""
-        return self.gelu_in_cast and bool(self.recipe.history) and self._gemm_takes(tail.numel() // tail.shape[-1])
+        """Whether gelu_forward can take this input: a scale per tensor (the cast applies the GELU as it reads), at
+        shapes the FP8 GEMMs take, where asked (gelu_in_cast)."""
+        return self.gelu_in_cast and not self.recipe.per_row and self._gemm_takes(tail.numel() // tail.shape[-1])
 
     def gelu_forward(self, head: torch.Tensor | None, tail: torch.Tensor) -> torch.Tensor:
         """self([head | gelu(tail)]) (GELU's tanh approximation; head None: self(gelu(tail))), the GELU and the join
@@ -254,12 +246,9 @@ class FP8Linear(nn.Linear):
         amax = self.fp8_amax if record else torch.zeros(2, device=x2.device)
         amax_grad = self.fp8_amax_grad if record else torch.zeros(1, device=x2.device)
         sink = self.wgrad_sink if self.weight.dtype == x2.dtype else None  # the gradient is the parameter's own
-        # delayed: the casts go without an amax kernel (a history is there on all but a few steps)
-        counts = (self.fp8_arrivals, self.fp8_arrivals_grad) if self.recipe.history else (None, None)
         return _TensorwiseLinear.apply(
-            x2, weight, self.bias, self.fp8_scale, amax, amax_grad, *counts, self.fp8_dtype, sink, self.recast_weight,
-            gelu_tail,
-        )  # fmt: skip
+            x2, weight, self.bias, self.fp8_scale, amax, amax_grad, self.fp8_dtype, sink, self.recast_weight, gelu_tail
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, fp8={self.fp8_dtype}"
@@ -305,8 +294,6 @@ class FP8Scaling:
             m.register_buffer("fp8_amax", torch.zeros(2, device=device), persistent=False)
             m.register_buffer("fp8_amax_grad", torch.zeros(1, device=device), persistent=False)
             m.register_buffer("fp8_history", torch.zeros(3, m.history, device=device), persistent=False)
-            m.register_buffer("fp8_arrivals", torch.zeros(2, dtype=torch.int32, device=device), persistent=False)
-            m.register_buffer("fp8_arrivals_grad", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         delayed = [m for m in layers if m.recipe.history]
         return cls(delayed, margin, device) if delayed else None
 
@@ -330,7 +317,7 @@ class FP8Scaling:
 
     def without_history(self) -> int:
         """How many (layer, operand) pairs have no maximum in their history yet (scale 0): each is cast from its
-        current maximum, by one program (kernels/fp8_cast.py), until it has one. Reads the device (a sync)."""
+        current maximum (one more read of it: kernels/fp8_cast.py) until it has one. Reads the device (a sync)."""
         return int((torch.stack(self.scales) == 0).sum())
 
     def _scales(self, history: torch.Tensor) -> torch.Tensor:

@@ -6,14 +6,12 @@ element, the floor for an operand both layouts of which are used), and folds |x|
 an atomic max, so the amax of the next step's scale costs no pass of its own.
 
 `scale` is the dequantisation scale s (x ~= q * s) from an amax history (delayed scaling, 0-dim fp32 device
-tensor). Where it is 0 (no history yet: the first step, or a recipe without one) the cast uses amax / max(e4m3):
-current scaling, decided on the GPU, so the same captured graph serves both. Its amax comes one of two ways:
-- without `arrivals` (current scaling every step: the tensorwise recipe) a first kernel takes it (one more
-  2-byte read); with a history its programs end at once, yet the launch still costs a few microseconds;
-- with `arrivals` (an int32 zero per operand, delayed scaling) there is no first kernel. Without a history each
-  program only folds its tile into `amax` and counts itself in; the last to arrive then casts the whole tensor
-  alone. That is slow (one SM), but only on the steps without a history: the first, and a gradient's first
-  non-zero one (the gates are zero at init).
+tensor). Where it is 0 (no history yet: the first steps of delayed scaling, every step of the tensorwise recipe)
+the cast uses amax / max(e4m3), current scaling, decided on the GPU, so the same captured graph serves both: the
+first kernel's programs then only fold their tiles into `amax`, and a second kernel, launched after every cast,
+casts the tensor once the maximum is whole (a persistent grid; with a history its programs end at once, a launch
+of a few microseconds). The first steps read each operand twice; before, the last program to arrive cast the
+whole tensor alone (one SM), which made the whole model's first steps at micro-batch 32 cost 65-135 s.
 Returns (q or, without `rows`, an empty tensor, q transposed or an empty tensor, the scale used, and with
 `column_sums` x's fp32 sums over its rows: a bias gradient when x is the output gradient, at no extra read); the
 kernels' LAYOUTS says which it writes (1: q, 2: q transposed, 3: both). `cast_transpose_pair` casts a GEMM's two
@@ -57,24 +55,6 @@ def cast_transpose_torch(
 if HAVE_TRITON:
     _TINY_AMAX = tl.constexpr(TINY_AMAX)  # a kernel reads a global only as a constexpr
     _NO_GELU = tl.constexpr(False)
-
-    @triton.jit
-    def _amax_of(X, SCALE, AMAX, n, BLOCK: tl.constexpr):
-        # current scaling only: with a scale from the history the programs end at once
-        if tl.load(SCALE) <= 0:
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
-                acc = tl.maximum(acc, tl.abs(x))
-            tl.atomic_max(AMAX, tl.max(acc, axis=0))
-
-    @triton.jit
-    def _amax_kernel(X, X2, SCALE, AMAX, n, n2, BLOCK: tl.constexpr):
-        # X2 (n2 elements, 0: none) is a second operand, whose scale and amax follow X's
-        _amax_of(X, SCALE, AMAX, n, BLOCK)
-        if n2 > 0:
-            _amax_of(X2, SCALE + 1, AMAX + 1, n2, BLOCK)
 
     @triton.jit
     def _gelu_tanh(h, TO_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -156,32 +136,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _cast_tile(
-        X,
-        TAIL,
-        Q,
-        QT,
-        SCALE,
-        AMAX,
-        ARRIVALS,
-        S_OUT,
-        SUMS,
-        M,
-        K,
-        K_HEAD,
-        SX,
-        ST,
-        tile_m,
-        tile_k,
-        FMAX: tl.constexpr,
-        LAYOUTS: tl.constexpr,
-        COLUMN_SUMS: tl.constexpr,
-        COUNTED: tl.constexpr,
-        GELU: tl.constexpr,
-        EVEN: tl.constexpr,
-        INTERPRETED: tl.constexpr,
-        BM: tl.constexpr,
-        BK: tl.constexpr,
-    ):
+        X, TAIL, Q, QT, SCALE, AMAX, S_OUT, SUMS, M, K, K_HEAD, SX, ST, tile_m, tile_k, FMAX: tl.constexpr,
+        LAYOUTS: tl.constexpr, COLUMN_SUMS: tl.constexpr, GELU: tl.constexpr, EVEN: tl.constexpr,
+        INTERPRETED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
         row0, col0 = tile_m * BM, tile_k * BK
         x, mask = _load_tile(X, TAIL, M, K, K_HEAD, SX, ST, row0, col0, GELU, EVEN, INTERPRETED, BM, BK)
         # one reduction over the whole tile: rows first (axis=1) cost 15 more instructions an element on sm_90
@@ -190,74 +148,58 @@ if HAVE_TRITON:
         if COLUMN_SUMS:  # this tile's column sums, one row of partials per row tile (summed in a fixed order after)
             rk = tl.arange(0, BK)
             tl.store(SUMS + tile_m * K + col0 + rk, tl.sum(x, axis=0), mask=col0 + rk < K)
+        # no history: the values written at scale 1 are written again by _cast_without_history_kernel once the
+        # maximum is whole (writing them anyway keeps one straight path: the branch cost 5 instructions an element)
         hist = tl.load(SCALE)
-        if COUNTED:
-            if hist > 0:
-                _cast_own_tile(Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, hist, FMAX, LAYOUTS,
-                               BM, BK)  # fmt: skip
-            else:  # no history: the last program to arrive casts the whole tensor
-                tl.atomic_max(AMAX, tile_amax)
-                tiles_k = tl.cdiv(K, BK)
-                tiles = tl.cdiv(M, BM) * tiles_k
-                # acq_rel: every other program's maximum is in AMAX once the count says it arrived
-                if tl.atomic_add(ARRIVALS, 1) == tiles - 1:
-                    s = tl.div_rn(tl.maximum(tl.atomic_add(AMAX, 0.0), _TINY_AMAX), FMAX)  # read where the atomics went
-                    for t in range(0, tiles):
-                        r0, c0 = (t // tiles_k) * BM, (t % tiles_k) * BK
-                        xt, mt = _load_tile(X, TAIL, M, K, K_HEAD, SX, ST, r0, c0, GELU, EVEN, INTERPRETED, BM, BK)
-                        _store_tile(Q, QT, M, K, r0, c0, xt, mt, s, FMAX, LAYOUTS, BM, BK)
-                    tl.store(S_OUT, s)
-                    tl.store(ARRIVALS, 0)  # ready for the next call
-        else:
-            # without a history AMAX already holds this tensor's amax (the first kernel), and the atomic maxes
-            # cannot raise it: every program reads the same value
-            s = tl.where(hist > 0, hist, tl.div_rn(tl.maximum(tl.load(AMAX), _TINY_AMAX), FMAX))
-            _cast_own_tile(Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, s, FMAX, LAYOUTS, BM, BK)
+        s = tl.where(hist > 0, hist, 1.0)
+        _cast_own_tile(Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, s, FMAX, LAYOUTS, BM, BK)
 
     @triton.jit
     def _cast_transpose_kernel(
-        X,
-        TAIL,
-        Q,
-        QT,
-        M,
-        K_HEAD,
-        SX,
-        ST,
-        X2,
-        Q2,
-        QT2,
-        M2,
-        K,
-        SCALE,
-        AMAX,
-        ARRIVALS,
-        S_OUT,
-        S_OUT2,
-        SUMS,
-        FMAX: tl.constexpr,
-        LAYOUTS: tl.constexpr,
-        COLUMN_SUMS: tl.constexpr,
-        COUNTED: tl.constexpr,
-        GELU: tl.constexpr,
-        EVEN: tl.constexpr,
-        INTERPRETED: tl.constexpr,
-        BM: tl.constexpr,
-        BK: tl.constexpr,
-    ):
+        X, TAIL, Q, QT, M, K_HEAD, SX, ST, X2, Q2, QT2, M2, K, SCALE, AMAX, S_OUT, S_OUT2, SUMS,
+        FMAX: tl.constexpr, LAYOUTS: tl.constexpr, COLUMN_SUMS: tl.constexpr, GELU: tl.constexpr,
+        EVEN: tl.constexpr, INTERPRETED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
         # the row tiles of X (or with GELU of [X | gelu(TAIL)]), then those of X2 (M2 rows, 0: none; contiguous;
-        # its scale, amax and count follow X's, the scale it used goes to S_OUT2; column sums only for a lone X)
+        # its scale and amax follow X's, the scale it used goes to S_OUT2; column sums only for a lone X)
         tiles = tl.cdiv(M, BM)
         if tl.program_id(0) < tiles:
-            _cast_tile(X, TAIL, Q, QT, SCALE, AMAX, ARRIVALS, S_OUT, SUMS, M, K, K_HEAD, SX, ST, tl.program_id(0),
-                       tl.program_id(1), FMAX, LAYOUTS, COLUMN_SUMS, COUNTED, GELU, EVEN, INTERPRETED, BM,
-                       BK)  # fmt: skip
+            _cast_tile(X, TAIL, Q, QT, SCALE, AMAX, S_OUT, SUMS, M, K, K_HEAD, SX, ST, tl.program_id(0),
+                       tl.program_id(1), FMAX, LAYOUTS, COLUMN_SUMS, GELU, EVEN, INTERPRETED, BM, BK)  # fmt: skip
         else:
-            _cast_tile(X2, X2, Q2, QT2, SCALE + 1, AMAX + 1, ARRIVALS + 1, S_OUT2, SUMS, M2, K, K, K, K,
-                       tl.program_id(0) - tiles, tl.program_id(1), FMAX, LAYOUTS, COLUMN_SUMS, COUNTED, _NO_GELU,
-                       EVEN, INTERPRETED, BM, BK)  # fmt: skip
+            _cast_tile(X2, X2, Q2, QT2, SCALE + 1, AMAX + 1, S_OUT2, SUMS, M2, K, K, K, K, tl.program_id(0) - tiles,
+                       tl.program_id(1), FMAX, LAYOUTS, COLUMN_SUMS, _NO_GELU, EVEN, INTERPRETED, BM,
+                       BK)  # fmt: skip
 
-    _AMAX_BLOCK = 4096
+    @triton.jit
+    def _cast_all_tiles(
+        X, TAIL, Q, QT, SCALE, AMAX, S_OUT, M, K, K_HEAD, SX, ST, FMAX: tl.constexpr, LAYOUTS: tl.constexpr,
+        GELU: tl.constexpr, EVEN: tl.constexpr, INTERPRETED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        # an operand without a history, its maximum now whole in AMAX: the programs take its tiles in turn
+        if tl.load(SCALE) <= 0:
+            s = tl.div_rn(tl.maximum(tl.load(AMAX), _TINY_AMAX), FMAX)
+            tiles_k = tl.cdiv(K, BK)
+            for t in range(tl.program_id(0), tl.cdiv(M, BM) * tiles_k, tl.num_programs(0)):
+                row0, col0 = (t // tiles_k) * BM, (t % tiles_k) * BK
+                x, mask = _load_tile(X, TAIL, M, K, K_HEAD, SX, ST, row0, col0, GELU, EVEN, INTERPRETED, BM, BK)
+                _store_tile(Q, QT, M, K, row0, col0, x, mask, s, FMAX, LAYOUTS, BM, BK)
+            if tl.program_id(0) == 0:
+                tl.store(S_OUT, s)
+
+    @triton.jit
+    def _cast_without_history_kernel(
+        X, TAIL, Q, QT, M, K_HEAD, SX, ST, X2, Q2, QT2, M2, K, SCALE, AMAX, S_OUT, S_OUT2, FMAX: tl.constexpr,
+        LAYOUTS: tl.constexpr, GELU: tl.constexpr, EVEN: tl.constexpr, INTERPRETED: tl.constexpr,
+        BM: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        # after _cast_transpose_kernel, on the same operands: the casts it left (those without a history)
+        _cast_all_tiles(X, TAIL, Q, QT, SCALE, AMAX, S_OUT, M, K, K_HEAD, SX, ST, FMAX, LAYOUTS, GELU, EVEN,
+                        INTERPRETED, BM, BK)  # fmt: skip
+        if M2 > 0:  # a lone operand has no second scale to read
+            _cast_all_tiles(X2, X2, Q2, QT2, SCALE + 1, AMAX + 1, S_OUT2, M2, K, K, K, K, FMAX, LAYOUTS, _NO_GELU,
+                            EVEN, INTERPRETED, BM, BK)  # fmt: skip
+
     # rows x columns of x (256-byte loads, 128- and 64-byte stores per row/column), warps: measured on an H200
     # over the step's operand shapes, 1.34x the copy-rate floor without column sums and 1.7x with them (64 x 128
     # with 8 warps: 1.35x and 2.3x; 128 x 128: 1.8x; 32 x 64: 1.8x); on an H100 over a batch-4 step's operands,
@@ -267,21 +209,24 @@ if HAVE_TRITON:
     # with the GELU, 4 warps (64 elements a thread) ran out of registers: 255 and 174 spills to local memory in the
     # SASS for sm_90; 8 warps hold it in 158, none
     _GELU_WARPS = 8
+    # _cast_without_history_kernel takes twice the warps: its loop keeps the tile's per-element offsets live
+    # across iterations (116 spills at 4 warps in its SASS, none at 8; with the GELU 38 at 16, 54 at 8: start-up only)
+    _SWEEP_WARP_FACTOR = 2
 
-    def _amax_programs(x: torch.Tensor) -> int:
-        if x.is_cuda:
-            return 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
-        return 4
+    def _sweep_programs(x: torch.Tensor, tiles: int) -> int:
+        """The persistent grid of _cast_without_history_kernel: two programs an SM (its launch, on the steps with
+        a history, is all it costs), at most one a tile."""
+        per_device = 2 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        return max(1, min(per_device, tiles))
 
     def _launch(
-        xs: list[torch.Tensor], scale, amax, arrivals, dtype, fmax: float, transpose: bool, column_sums: bool,
+        xs: list[torch.Tensor], scale, amax, dtype, fmax: float, transpose: bool, column_sums: bool,
         rows: bool = True, gelu_tail: torch.Tensor | None = None,
     ):  # fmt: skip
-        """The kernels over one operand or two of the same K (`scale`, `amax`, `arrivals`: one element per operand;
-        `arrivals` empty: the amax kernel first). A lone operand's second is a zero-row tensor with outputs of its
-        own, never the first's again: a compiled graph gives each tensor a kernel writes a copy of its own, and of
-        two names for one tensor it may keep the copy the kernel did not write. With `gelu_tail` the first operand
-        is [xs[0] | gelu(gelu_tail)] (counted casts only: the amax kernel reads xs[0] alone)."""
+        """The kernels over one operand or two of the same K (`scale`, `amax`: one element per operand). A lone
+        operand's second is a zero-row tensor with outputs of its own, never the first's again: a compiled graph
+        gives each tensor a kernel writes a copy of its own, and of two names for one tensor it may keep the copy
+        the kernel did not write. With `gelu_tail` the first operand is [xs[0] | gelu(gelu_tail)]."""
         x, k = xs[0], xs[0].shape[1]
         tail = x if gelu_tail is None else gelu_tail
         if gelu_tail is not None:
@@ -297,51 +242,32 @@ if HAVE_TRITON:
         bm, bk, warps = _TILE
         warps = warps if gelu_tail is None else _GELU_WARPS
         partial = torch.empty((triton.cdiv(m, bm), k) if column_sums else (0,), device=x.device, dtype=torch.float32)
-        n, n2 = m * k, m2 * k
-        counted = arrivals.numel() > 0
-        even = m % bm == 0 and m2 % bm == 0 and k % bk == 0
-        if not counted:
-            programs = max(1, min(_amax_programs(x), triton.cdiv(max(n, n2), _AMAX_BLOCK)))
-            wrap_triton(_amax_kernel)[(programs,)](x, x2, scale, amax, n, n2, BLOCK=_AMAX_BLOCK)
-        wrap_triton(_cast_transpose_kernel)[(triton.cdiv(m, bm) + triton.cdiv(m2, bm), triton.cdiv(k, bk))](
-            x,
-            tail,
-            qs[0],
-            qts[0],
-            m,
-            x.shape[1],
-            max(x.stride(0), 1),  # an empty head's
-            tail.stride(0),
-            x2,
-            qs[1],
-            qts[1],
-            m2,
-            k,
-            scale,
-            amax,
-            arrivals,
-            ss[0],
-            ss[1],
-            partial,
+        row_tiles, col_tiles = triton.cdiv(m, bm) + triton.cdiv(m2, bm), triton.cdiv(k, bk)
+        operands = (x, tail, qs[0], qts[0], m, x.shape[1], max(x.stride(0), 1), tail.stride(0))  # an empty head's
+        operands += (x2, qs[1], qts[1], m2, k, scale, amax, ss[0], ss[1])
+        layout = dict(
             FMAX=fmax,
             LAYOUTS=int(rows) | 2 * int(transpose),
-            COLUMN_SUMS=column_sums,
-            COUNTED=counted,
             GELU=gelu_tail is not None,
-            EVEN=even,
+            EVEN=m % bm == 0 and m2 % bm == 0 and k % bk == 0,
             INTERPRETED=interpreted(),
             BM=bm,
             BK=bk,
-            num_warps=warps,
+        )
+        wrap_triton(_cast_transpose_kernel)[(row_tiles, col_tiles)](
+            *operands, partial, COLUMN_SUMS=column_sums, num_warps=warps, **layout
+        )
+        programs = _sweep_programs(x, row_tiles * col_tiles)
+        wrap_triton(_cast_without_history_kernel)[(programs,)](
+            *operands, num_warps=warps * _SWEEP_WARP_FACTOR, **layout
         )
         return qs[: len(xs)], qts[: len(xs)], [s.view(()) for s in ss[: len(xs)]], partial
 
-    @triton_op("flux_train::fp8_cast_transpose", mutates_args={"amax", "arrivals"})
+    @triton_op("flux_train::fp8_cast_transpose", mutates_args={"amax"})
     def _cast_transpose_triton(
         x: torch.Tensor,
         scale: torch.Tensor,
         amax: torch.Tensor,
-        arrivals: torch.Tensor,
         dtype: torch.dtype,
         fmax: float,
         transpose: bool,
@@ -350,39 +276,36 @@ if HAVE_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`dtype` the values' type (e4m3; the tests take fp32 values under the interpreter, whose e4m3
         conversion is not faithful), `fmax` the e4m3 format's largest value."""
-        (q,), (qt,), (s,), partial = _launch([x], scale, amax, arrivals, dtype, fmax, transpose, column_sums, rows)
+        (q,), (qt,), (s,), partial = _launch([x], scale, amax, dtype, fmax, transpose, column_sums, rows)
         return q, qt, s, partial.sum(0) if column_sums else partial
 
-    @triton_op("flux_train::fp8_cast_transpose_pair", mutates_args={"amax", "arrivals"})
+    @triton_op("flux_train::fp8_cast_transpose_pair", mutates_args={"amax"})
     def _cast_transpose_pair_triton(
         x: torch.Tensor,
         w: torch.Tensor,
         scales: torch.Tensor,
         amax: torch.Tensor,
-        arrivals: torch.Tensor,
         dtype: torch.dtype,
         fmax: float,
         gelu_tail: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The two operands of one GEMM (the same K) in one launch: `scales`, `amax` [2], `arrivals` [2] or empty;
-        with `gelu_tail` the first is [x | gelu(gelu_tail)]."""
+        """The two operands of one GEMM (the same K) in one launch: `scales`, `amax` [2]; with `gelu_tail` the first is [x | gelu(gelu_tail)]."""
         (xq, wq), (xq_t, wq_t), (xs, ws), _ = _launch(
-            [x, w], scales, amax, arrivals, dtype, fmax, True, False, gelu_tail=gelu_tail
+            [x, w], scales, amax, dtype, fmax, True, False, gelu_tail=gelu_tail
         )
         return xq, xq_t, xs, wq, wq_t, ws
 
 
-def _triton_counts(x: torch.Tensor, amax: torch.Tensor, impl: str, arrivals: torch.Tensor | None):
-    """None where the torch path casts (`impl`: see cast_transpose), else the counts the Triton op takes (empty for
-    None: the amax kernel). `auto` casts fp32 operands (train.compute_dtype=float32: the debug model) in torch ops:
+def _on_triton(x: torch.Tensor, impl: str) -> bool:
+    """Whether the Triton kernels cast x (`impl`: see cast_transpose), else torch ops. `auto` casts fp32 operands (train.compute_dtype=float32: the debug model) in torch ops:
     on an H100 the kernel's transposed output of fp32 operands came out wrong (an all-zero fp32 [256, 64] tensor's
     transpose held non-zero bytes; e4m3 NaNs in the debug model's step-1 weight gradients), while bf16 operands of
     every shape match torch bit for bit (tests/gpu/test_gpu.py)."""
     if not (impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda and x.dtype != torch.float32)):
-        return None
+        return False
     if not kernels_run_on(x.device):
         raise RuntimeError("the Triton FP8 cast needs a GPU (or Triton's interpreter on the CPU)")
-    return amax.new_empty(0, dtype=torch.int32) if arrivals is None else arrivals
+    return True
 
 
 def cast_transpose(
@@ -393,17 +316,15 @@ def cast_transpose(
     transpose: bool = True,
     column_sums: bool = False,
     impl: str = "auto",
-    arrivals: torch.Tensor | None = None,
     rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(e4m3 x (empty unless `rows`), e4m3 x transposed (row-major; empty unless `transpose`), the scale used, x's
     fp32 column sums (empty unless `column_sums`)) for a 2-D x; `amax` (1-element fp32) is raised to |x|'s maximum.
     `impl`: auto (Triton on a GPU, torch elsewhere), triton (also on the CPU under Triton's interpreter: the tests),
-    torch. `arrivals`: a 1-element int32 zero that stays with this operand (see above; None: the amax kernel)."""
-    counts = _triton_counts(x, amax, impl, arrivals)
-    if counts is not None:
+    torch."""
+    if _on_triton(x, impl):
         fmax = torch.finfo(dtype).max
-        return _cast_transpose_triton(x.contiguous(), scale, amax, counts, dtype, fmax, transpose, column_sums, rows)
+        return _cast_transpose_triton(x.contiguous(), scale, amax, dtype, fmax, transpose, column_sums, rows)
     return cast_transpose_torch(x, scale, amax, dtype, transpose, column_sums, rows)
 
 
@@ -420,24 +341,20 @@ def cast_transpose_pair(
     amax: torch.Tensor,
     dtype: torch.dtype,
     impl: str = "auto",
-    arrivals: torch.Tensor | None = None,
     gelu_tail: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`cast_transpose` of a GEMM's two operands x [M,K] and w [N,K] in one launch (each launch costs
     microseconds in a step of a few hundred): (xq, xq transposed, x's scale used, wq, wq transposed, w's scale
-    used); `scales`, `amax` and `arrivals` (or None) [2] hold x's and then w's. With `gelu_tail` [M,K-Kx] the first
-    operand is gelu_tanh_joined(x, gelu_tail), computed as the kernel reads its parts (the joined bf16 tensor is
-    never written; delayed scaling only: `arrivals` given); the tail may be a view whose rows are apart."""
+    used); `scales` and `amax` [2] hold x's and then w's. With `gelu_tail` [M,K-Kx] the first operand is
+    gelu_tanh_joined(x, gelu_tail), computed as the kernel reads its parts (the joined bf16 tensor is never
+    written); the tail may be a view whose rows are apart."""
     k = x.shape[1] + (0 if gelu_tail is None else gelu_tail.shape[1])
     if k != w.shape[1]:
         raise ValueError(f"cast_transpose_pair: x ({k} columns) and w {tuple(w.shape)} differ in K")
-    counts = _triton_counts(x if gelu_tail is None else gelu_tail, amax, impl, arrivals)
-    if counts is not None and gelu_tail is not None and not counts.numel():
-        raise ValueError("cast_transpose_pair: the GELU is applied as the kernel reads: give `arrivals`")
-    if counts is not None:
+    if _on_triton(x if gelu_tail is None else gelu_tail, impl):
         tail = gelu_tail if gelu_tail is None or gelu_tail.stride(1) == 1 else gelu_tail.contiguous()
         return _cast_transpose_pair_triton(
-            x.contiguous(), w.contiguous(), scales.contiguous(), amax, counts, dtype, torch.finfo(dtype).max, tail
+            x.contiguous(), w.contiguous(), scales.contiguous(), amax, dtype, torch.finfo(dtype).max, tail
         )
     x = x if gelu_tail is None else gelu_tanh_joined(x, gelu_tail)
     xq, xq_t, xs, _ = cast_transpose_torch(x, scales[0], amax[0:1], dtype)

@@ -304,14 +304,9 @@ def gelu_cast_seconds(m: int, head: int, tail: int, stride: int, n: int, fp8: to
     t = torch.randn(m, stride, device="cuda").bfloat16()[:, -tail:]
     w = torch.randn(n, head + tail, device="cuda").bfloat16()
     scales, amax = torch.full((2,), 1e-2, device="cuda"), torch.zeros(2, device="cuda")
-    arrivals = torch.zeros(2, dtype=torch.int32, device="cuda")
     joined = torch.compile(gelu_tanh_joined)
-    fused = cuda_seconds(
-        lambda: cast_transpose_pair(x, w, scales, amax, fp8, arrivals=arrivals, gelu_tail=t), iters=5, graphed=False
-    )
-    apart = cuda_seconds(
-        lambda: cast_transpose_pair(joined(x, t), w, scales, amax, fp8, arrivals=arrivals), iters=5, graphed=False
-    )
+    fused = cuda_seconds(lambda: cast_transpose_pair(x, w, scales, amax, fp8, gelu_tail=t), iters=5, graphed=False)
+    apart = cuda_seconds(lambda: cast_transpose_pair(joined(x, t), w, scales, amax, fp8), iters=5, graphed=False)
     return fused, apart
 
 
@@ -357,12 +352,7 @@ def run_casts(cfg: Config, args, row: str) -> dict:
         x = torch.randn(m, k, device="cuda").bfloat16()
         scale = torch.full((), 1e-2 if delayed else 0.0, device="cuda")
         amax = torch.zeros(1, device="cuda")
-        arrivals = torch.zeros(1, dtype=torch.int32, device="cuda") if delayed else None  # as FP8Linear casts
-        seconds = cuda_seconds(
-            lambda x=x, scale=scale, amax=amax, arrivals=arrivals: cast_transpose(
-                x, scale, amax, fp8, arrivals=arrivals
-            )
-        )
+        seconds = cuda_seconds(lambda x=x, scale=scale, amax=amax: cast_transpose(x, scale, amax, fp8))
         moved = (4 if delayed else 6) * m * k
         per_shape.append([m, k, count, round(seconds * 1e6, 1), round(moved / seconds / 1e9)])
         total += seconds * count
@@ -539,9 +529,9 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, dict]:
 
 def settle_fp8(trainer, limit: int = 20) -> tuple[int, float]:
     """(steps, seconds): training steps until every delayed FP8 operand of `trainer` (one with FP8 delayed scaling)
-    has a maximum in its history, so that the timed steps are steady ones. Until then an operand is cast by one
-    program alone (kernels/fp8_cast.py): a start-up cost of the first steps of a run (and of each gradient the
-    zero-initialised gates hold at zero)."""
+    has a maximum in its history, so that the timed steps are steady ones. Until then an operand is read twice
+    (its amax first: kernels/fp8_cast.py), on the first steps of a run and on those of each gradient the
+    zero-initialised gates hold at zero."""
     scaling = cast(DelayedFP8, trainer.precision).scaling
     steps, t0 = 0, time.perf_counter()
     # without_history reads the device: the check after the last step waits for it

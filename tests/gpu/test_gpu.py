@@ -151,29 +151,21 @@ def test_fp8_cast_kernel_writes_torch_e4m3_bits():
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in ((4096, 3072), (1000, 200)):
         x = (torch.randn(*shape, device="cuda", generator=g) * 3).bfloat16()
-        for history in (0.0, 0.005):
-            for arrivals in (None, torch.zeros(1, dtype=torch.int32, device="cuda")):  # amax kernel / counted
-                scale, amax = torch.tensor(history, device="cuda"), torch.zeros(1, device="cuda")
-                q, qt, s, _ = cast_transpose(x, scale, amax, fp8, arrivals=arrivals)
-                fmax = torch.finfo(fp8).max
-                want = (x.float() * (1.0 / s)).clamp(-fmax, fmax).to(fp8)
-                where = (shape, history, arrivals is not None)
-                assert amax.item() == x.float().abs().max().item(), where
-                assert torch.equal(s, scale if history else (amax / fmax).reshape(())), where
-                assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), where
-                assert torch.equal(qt.view(torch.uint8), want.t().contiguous().view(torch.uint8)), where
-                assert arrivals is None or arrivals.item() == 0, where  # reset for the next call
-    # a GEMM's x and W in one launch, counted or not: each operand's bits as its own launch writes them (both without
-    # a history: each operand's programs count themselves in on their own count, interleaved on the GPU)
+        for history in (0.0, 0.005):  # without a history: the amax first, then every tile by the second kernel
+            scale, amax = torch.tensor(history, device="cuda"), torch.zeros(1, device="cuda")
+            q, qt, s, _ = cast_transpose(x, scale, amax, fp8)
+            fmax = torch.finfo(fp8).max
+            want = (x.float() * (1.0 / s)).clamp(-fmax, fmax).to(fp8)
+            where = (shape, history)
+            assert amax.item() == x.float().abs().max().item(), where
+            assert torch.equal(s, scale if history else (amax / fmax).reshape(())), where
+            assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), where
+            assert torch.equal(qt.view(torch.uint8), want.t().contiguous().view(torch.uint8)), where
+    # a GEMM's x and W in one launch, with and without histories: each operand's bits as its own launch writes them
     x, w = (torch.randn(rows, 3072, device="cuda", generator=g).bfloat16() for rows in (4096, 9216))
-    for scales, arrivals in (
-        ([0.0, 0.0001], None),
-        ([0.0, 0.0], torch.zeros(2, dtype=torch.int32, device="cuda")),
-        ([0.0002, 0.0], torch.zeros(2, dtype=torch.int32, device="cuda")),
-    ):
+    for scales in ([0.0, 0.0001], [0.0, 0.0], [0.0002, 0.0]):
         scales, amax = torch.tensor(scales, device="cuda"), torch.zeros(2, device="cuda")
-        pair = cast_transpose_pair(x, w, scales, amax, fp8, arrivals=arrivals)
-        assert arrivals is None or arrivals.tolist() == [0, 0]  # each operand's count reset for the next call
+        pair = cast_transpose_pair(x, w, scales, amax, fp8)
         for i, t in enumerate((x, w)):
             q, qt, s, _ = cast_transpose(t, scales[i], torch.zeros(1, device="cuda"), fp8)
             assert torch.equal(pair[3 * i].view(torch.uint8), q.view(torch.uint8)) and pair[3 * i + 2] == s
@@ -257,8 +249,7 @@ def test_fp8_linear_at_the_debug_models_sizes_matches_its_cpu_emulation(recipe, 
 
 def test_fp8_cast_of_an_all_zero_tensor_narrower_than_a_tile():
     """An all-zero tensor with fewer columns than the kernel's tile, cast without a history (a gated layer's dY at
-    step 1; bf16 by the last program to arrive, fp32 in torch ops): zeros in both layouts, the floor scale, the
-    count untouched or reset."""
+    step 1; bf16 by the kernels, fp32 in torch ops): zeros in both layouts, the floor scale."""
     from flux_train.kernels.fp8 import device_e4m3
     from flux_train.kernels.fp8_cast import TINY_AMAX, cast_transpose
 
@@ -266,13 +257,12 @@ def test_fp8_cast_of_an_all_zero_tensor_narrower_than_a_tile():
     for dtype in (torch.float32, torch.bfloat16):
         for shape in ((256, 64), (256, 320), (64, 320)):
             x = torch.zeros(*shape, device="cuda", dtype=dtype)
-            arrivals = torch.zeros(1, dtype=torch.int32, device="cuda")
             scale, amax = torch.zeros((), device="cuda"), torch.zeros(1, device="cuda")
-            q, qt, s, sums = cast_transpose(x, scale, amax, fp8, column_sums=True, arrivals=arrivals)
+            q, qt, s, sums = cast_transpose(x, scale, amax, fp8, column_sums=True)
             where = (dtype, shape)
             assert torch.equal(q.float(), x.float()) and torch.equal(qt.float(), x.t().float()), where
             assert s.item() == pytest.approx(TINY_AMAX / torch.finfo(fp8).max) and amax.item() == 0, where
-            assert arrivals.item() == 0 and torch.equal(sums, torch.zeros(shape[1], device="cuda")), where
+            assert torch.equal(sums, torch.zeros(shape[1], device="cuda")), where
 
 
 def test_fp8_delayed_blocks_compiled_and_graphed_match_eager():
