@@ -125,16 +125,6 @@ if HAVE_TRITON:
             tl.store(QT + (col0.to(tl.int64) * M + row0) + (rk[None, :] * M + rm[:, None]), q, mask=mask)
 
     @triton.jit
-    def _cast_own_tile(
-        Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, s, FMAX: tl.constexpr,
-        LAYOUTS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    ):  # fmt: skip
-        _store_tile(Q, QT, M, K, tile_m * BM, tile_k * BK, x, mask, s, FMAX, LAYOUTS, BM, BK)
-        tl.atomic_max(AMAX, tile_amax)
-        if (tile_m == 0) & (tile_k == 0):
-            tl.store(S_OUT, s)
-
-    @triton.jit
     def _cast_tile(
         X, TAIL, Q, QT, SCALE, AMAX, S_OUT, SUMS, M, K, K_HEAD, SX, ST, tile_m, tile_k, FMAX: tl.constexpr,
         LAYOUTS: tl.constexpr, COLUMN_SUMS: tl.constexpr, GELU: tl.constexpr, EVEN: tl.constexpr,
@@ -148,11 +138,12 @@ if HAVE_TRITON:
         if COLUMN_SUMS:  # this tile's column sums, one row of partials per row tile (summed in a fixed order after)
             rk = tl.arange(0, BK)
             tl.store(SUMS + tile_m * K + col0 + rk, tl.sum(x, axis=0), mask=col0 + rk < K)
-        # no history: the values written at scale 1 are written again by _cast_without_history_kernel once the
-        # maximum is whole (writing them anyway keeps one straight path: the branch cost 5 instructions an element)
+        tl.atomic_max(AMAX, tile_amax)
         hist = tl.load(SCALE)
-        s = tl.where(hist > 0, hist, 1.0)
-        _cast_own_tile(Q, QT, AMAX, S_OUT, M, K, tile_m, tile_k, x, mask, tile_amax, s, FMAX, LAYOUTS, BM, BK)
+        if hist > 0:  # else the maximum only: _cast_without_history_kernel casts once it is whole
+            _store_tile(Q, QT, M, K, row0, col0, x, mask, hist, FMAX, LAYOUTS, BM, BK)
+            if (tile_m == 0) & (tile_k == 0):
+                tl.store(S_OUT, hist)
 
     @triton.jit
     def _cast_transpose_kernel(
