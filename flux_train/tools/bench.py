@@ -438,6 +438,7 @@ def row_batch(cfg: Config, args) -> int:
 
 
 def run_step(cfg: Config, args, row: str) -> dict:
+    started = time.perf_counter()
     world = dist.get_world_size()
     mb = row_batch(cfg, args)
     base = {"mode": "step", "row": row, "world": world, "batch": mb, "accum": args.accum}
@@ -474,6 +475,7 @@ def run_step(cfg: Config, args, row: str) -> dict:
         "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1),
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         "warm_s": round(warm, 1),
+        "row_s": round(time.perf_counter() - started),  # the whole row: what a device call must leave it
     }
     if profile:
         base["profile"], base["top_kernels"] = profile
@@ -505,21 +507,25 @@ def trainer_step(cfg: Config, args) -> tuple[float, float, tuple | None, dict]:
     from flux_train.tools.sample import Sampler
     from flux_train.training.train import Trainer
 
+    started = time.perf_counter()
     trainer = Trainer(load_config(args.config, args.overrides + trainer_overrides(cfg, args)), Sampler.for_run)
     torch.cuda.reset_peak_memory_stats()
     trainer.warm_up(max(trainer.cfg.perf.warmup_iters, 1))  # compile and, with perf.cuda_graphs, capture
+    measured: dict = {"start_s": round(time.perf_counter() - started)}  # the model built, compiled, warmed up
     startup = settle_fp8(trainer) if isinstance(trainer.precision, DelayedFP8) else None
     seconds, warm = timed(trainer.train_step, args.steps, warmup_steps(args))
-    measured: dict = {"graphs": trainer.graphed is not None}
+    measured["graphs"] = trainer.graphed is not None
     if startup is not None:  # what the steps before every history was full took beyond steady steps
         steps, startup_s = startup
         measured["fp8_startup"] = {"steps": steps, "extra_s": round(startup_s - steps * seconds, 2)}
     profile = profile_breakdown(trainer.train_step, warmup_steps(args)) if args.profile else None
+    e0 = time.perf_counter()
     trainer.evaluator.loss(0)  # warm: eval shapes compile once
     torch.cuda.synchronize()
-    e0 = time.perf_counter()
+    e1 = time.perf_counter()
     count = trainer.evaluator.loss(0).count
-    eval_rate = count / (time.perf_counter() - e0) / dist.get_world_size()
+    eval_rate = count / (time.perf_counter() - e1) / dist.get_world_size()
+    measured["eval_s"] = round(time.perf_counter() - e0)  # both passes, the compile included
     if args.checkpoint:
         print("CHECKPOINT " + json.dumps(checkpoint_timings(trainer, args, seconds)), flush=True)
     measured["eval_samples_s_per_gpu"] = round(eval_rate, 1)
