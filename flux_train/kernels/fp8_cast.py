@@ -16,7 +16,7 @@ Returns (q or, without `rows`, an empty tensor, q transposed or an empty tensor,
 `column_sums` x's fp32 sums over its rows: a bias gradient when x is the output gradient, at no extra read); the
 kernels' LAYOUTS says which it writes (1: q, 2: q transposed, 3: both). `cast_transpose_pair` casts a GEMM's two
 forward operands (x and W, the same K) in one launch: inside a captured step the launches, not the bytes, are
-what the small casts cost. With delayed scaling the pair's first operand can come as [head | gelu(tail)]: the kernel
+what the small casts cost. The pair's first operand can come as [head | gelu(tail)]: the kernel
 applies the GELU (torch's tanh approximation, rounded to bf16 as torch's GELU writes it) and the join as it reads,
 so a GELU's output is never written in bf16 to be read again by its cast (`gelu_tail`, FP8Linear.gelu_forward).
 
