@@ -15,7 +15,7 @@ whole tensor alone (one SM), which made the whole model's first steps at micro-b
 Returns (q or, without `rows`, an empty tensor, q transposed or an empty tensor, the scale used, and with
 `column_sums` x's fp32 sums over its rows: a bias gradient when x is the output gradient, at no extra read); the
 kernels' LAYOUTS says which it writes (1: q, 2: q transposed, 3: both). `cast_transpose_pair` casts a GEMM's two
-forward operands (x and W, the same K) in one launch: inside a captured step the launches, not the bytes, are
+forward operands (x and W, the same K) in the same launches (one kernel and its sweep): inside a captured step the launches, not the bytes, are
 what the small casts cost. The pair's first operand can come as [head | gelu(tail)]: the kernel
 applies the GELU (torch's tanh approximation, rounded to bf16 as torch's GELU writes it) and the join as it reads,
 so a GELU's output is never written in bf16 to be read again by its cast (`gelu_tail`, FP8Linear.gelu_forward).
@@ -280,7 +280,7 @@ if HAVE_TRITON:
         fmax: float,
         gelu_tail: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The two operands of one GEMM (the same K) in one launch: `scales`, `amax` [2]; with `gelu_tail` the first is [x | gelu(gelu_tail)]."""
+        """The two operands of one GEMM (the same K) in the same launches: `scales`, `amax` [2]; with `gelu_tail` the first is [x | gelu(gelu_tail)]."""
         (xq, wq), (xq_t, wq_t), (xs, ws), _ = _launch(
             [x, w], scales, amax, dtype, fmax, True, False, gelu_tail=gelu_tail
         )
@@ -334,7 +334,7 @@ def cast_transpose_pair(
     impl: str = "auto",
     gelu_tail: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`cast_transpose` of a GEMM's two operands x [M,K] and w [N,K] in one launch (each launch costs
+    """`cast_transpose` of a GEMM's two operands x [M,K] and w [N,K] in the same launches (each launch costs
     microseconds in a step of a few hundred): (xq, xq transposed, x's scale used, wq, wq transposed, w's scale
     used); `scales` and `amax` [2] hold x's and then w's. With `gelu_tail` [M,K-Kx] the first operand is
     gelu_tanh_joined(x, gelu_tail), computed as the kernel reads its parts (the joined bf16 tensor is never
