@@ -280,7 +280,8 @@ if HAVE_TRITON:
         fmax: float,
         gelu_tail: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The two operands of one GEMM (the same K) in the same launches: `scales`, `amax` [2]; with `gelu_tail` the first is [x | gelu(gelu_tail)]."""
+        """The two operands of one GEMM (the same K) in the same launches: `scales`, `amax` [2]; with `gelu_tail`
+        the first is [x | gelu(gelu_tail)]."""
         (xq, wq), (xq_t, wq_t), (xs, ws), _ = _launch(
             [x, w], scales, amax, dtype, fmax, True, False, gelu_tail=gelu_tail
         )
