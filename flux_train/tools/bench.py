@@ -125,9 +125,9 @@ def free_memory() -> None:
 # ------------------------------------------------------------------------------------ GPU time by kind
 
 
-def profile_breakdown(run, steps: int = 3, top: int = 25) -> tuple[dict, list]:
-    """`run` profiled for `steps` calls: its CUDA kernels' time by kind and the top kernels
-    (bench_table.kernel_breakdown)."""
+def profile_breakdown(run, steps: int = 3, top: int = 25) -> tuple[dict, list, list]:
+    """`run` profiled for `steps` calls: its CUDA kernels' time by kind, the top kernels and the idle gaps by what
+    ended them (bench_table.kernel_breakdown)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -242,7 +242,7 @@ def run_fwdbwd(cfg: Config, args, row: str) -> dict:
     if precision.recipe.fp8:
         result["fp8_impl"] = row_perf(cfg, row).fp8_impl
     if args.profile:
-        result["profile"], result["top_kernels"] = profile_breakdown(run)
+        result["profile"], result["top_kernels"], result["idle_gaps"] = profile_breakdown(run)
     if graphs:
         run.close()
     return result
@@ -478,7 +478,7 @@ def run_step(cfg: Config, args, row: str) -> dict:
         "row_s": round(time.perf_counter() - started),  # the whole row: what a device call must leave it
     }
     if profile:
-        base["profile"], base["top_kernels"] = profile
+        base["profile"], base["top_kernels"], base["idle_gaps"] = profile
     return base
 
 

@@ -29,10 +29,13 @@ KERNEL_KINDS = (
 def kernel_breakdown(kernels: list[tuple[str, float, float]], wall_ms: float, steps: int, top: int = 25):
     """From the CUDA kernels of `steps` profiled steps ((name, start us, end us)) and the profiled wall time per
     step: ms per step of kernel time by kind (KERNEL_KINDS + other), the compute stream's busy and idle time (the
-    step minus the union of non-NCCL kernels: exposed communication and CPU stalls); and the `top` kernels by
-    time, [name, kind, ms per step, launches per step], to say which kernel a kind's time is."""
+    step minus the union of non-NCCL kernels: exposed communication and CPU stalls), and of that idle time what
+    lies between two kernels and how much of it with a collective running; the `top` kernels by time, [name, kind,
+    ms per step, launches per step], to say which kernel a kind's time is; and the idle gaps grouped by what ended
+    them, [ms per step, gaps per step, the kernel that started after the gap, the collective that ran longest in
+    it or ""], the largest first: what the compute stream waited for."""
     per_kernel: dict[str, list] = {}  # name -> [kind, ms, launches]
-    spans = []
+    spans, collectives = [], []
     for name, start, end in kernels:
         if name not in per_kernel:
             lower = name.lower()
@@ -41,10 +44,11 @@ def kernel_breakdown(kernels: list[tuple[str, float, float]], wall_ms: float, st
         entry = per_kernel[name]
         entry[1] += (end - start) / 1000
         entry[2] += 1
-        if entry[0] != "nccl":
-            spans.append((start, end))
-    busy, last = 0.0, None
-    for s, e in sorted(spans):
+        (collectives if entry[0] == "nccl" else spans).append((start, end, name))
+    busy, last, gaps = 0.0, None, []  # gaps: (start, end, the kernel after)
+    for s, e, name in sorted(spans):
+        if last is not None and s > last:
+            gaps.append((last, s, name))
         if last is None or s > last:
             busy, last = busy + (e - s), e
         elif e > last:
@@ -55,9 +59,43 @@ def kernel_breakdown(kernels: list[tuple[str, float, float]], wall_ms: float, st
     out = {k: round(v / steps, 1) for k, v in by_kind.items()}
     out["compute busy"] = round(busy / 1000 / steps, 1)
     out["compute idle"] = round(wall_ms - busy / 1000 / steps, 1)
+    waits, between, under_nccl = _idle_gaps(gaps, sorted(collectives))
+    out["idle between kernels"] = round(between / 1000 / steps, 1)
+    out["idle, a collective running"] = round(under_nccl / 1000 / steps, 1)
     out["step (profiled)"] = round(wall_ms, 1)
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
-    return out, [[name[:120], kind, round(ms / steps, 2), count // steps] for name, (kind, ms, count) in ranked]
+    kernels_top = [[name[:120], kind, round(ms / steps, 2), count // steps] for name, (kind, ms, count) in ranked]
+    grouped = sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]
+    idle = [
+        [round(us / 1000 / steps, 2), round(n / steps, 1), after[:90], nccl[:60]] for (after, nccl), (us, n) in grouped
+    ]
+    return out, kernels_top, idle
+
+
+def _idle_gaps(gaps: list[tuple], collectives: list[tuple]) -> tuple[dict, float, float]:
+    """The compute stream's gaps against the collectives' kernels (both sorted by start): ({(the kernel after the
+    gap, the collective most inside it): [us, gaps]}, the gaps' us, their us with a collective running)."""
+    waits: dict[tuple, list] = {}
+    between = under = 0.0
+    first = 0  # the collectives before it ended before this gap, and so before every later one
+    for g0, g1, after in gaps:
+        while first < len(collectives) and collectives[first][1] <= g0:
+            first += 1
+        covered, reach, most = 0.0, g0, ("", 0.0)
+        for c0, c1, name in collectives[first:]:
+            if c0 >= g1:
+                break
+            lo, hi = max(c0, g0), min(c1, g1)
+            if hi > lo:
+                covered += max(0.0, hi - max(lo, reach))  # the union: overlapping collectives count once
+                reach = max(reach, hi)
+                most = max(most, (name, hi - lo), key=lambda m: m[1])
+        entry = waits.setdefault((after, most[0]), [0.0, 0])
+        entry[0] += g1 - g0
+        entry[1] += 1
+        between += g1 - g0
+        under += covered
+    return waits, between, under
 
 
 def fp8_impl_of(row: dict) -> Literal["ours", "torchao"] | None:
@@ -174,6 +212,10 @@ def _print_profiles(profiled: list[dict]) -> None:
         print(f"\ntop kernels, {r.get('label', r['row'])} {r.get('precision', '')}: ms/step launches/step kind name")
         for name, kind, ms, count in r.get("top_kernels", []):
             print(f"  {ms:9.2f} {count:6d} {kind[:12]:12s} {name[:90]}")
+        if r.get("idle_gaps"):
+            print(f"idle gaps, {r.get('label', r['row'])}: ms/step gaps/step, the kernel after, the collective in it")
+            for ms, count, after, nccl in r["idle_gaps"][:10]:
+                print(f"  {ms:9.2f} {count:6.1f} {after[:60]:60s} {nccl[:40]}")
 
 
 def print_table(rows: list[dict]) -> None:

@@ -75,7 +75,7 @@ def test_profile_breakdown_sums_kinds_from_kernels_and_ranks_them():
             ("triton_red_fused_abs_amax_0", t + 2_250, t + 2_500),
             ("ncclDevKernel_AllGather", t + 500, t + 4_500),
         ]
-    kinds, top = bench_table.kernel_breakdown(kernels, wall_ms=10.0, steps=2, top=3)
+    kinds, top, _ = bench_table.kernel_breakdown(kernels, wall_ms=10.0, steps=2, top=3)
     assert kinds["gemm"] == 2.0 and kinds["fp8 casts"] == 0.5 and kinds["nccl"] == 4.0
     assert kinds["compute busy"] == 2.5  # the NCCL kernel is not compute
     assert kinds["compute idle"] == 7.5 and kinds["step (profiled)"] == 10.0
@@ -83,6 +83,29 @@ def test_profile_breakdown_sums_kinds_from_kernels_and_ranks_them():
         ["ncclDevKernel_AllGather", "nccl", 4.0, 1],
         ["nvjet_tst_128x256", "gemm", 2.0, 1],
         ["triton_red_fused_abs_amax_0", "fp8 casts", 0.5, 2],  # ms and launches per step
+    ]
+
+
+def test_profile_breakdown_says_what_the_idle_compute_stream_waited_for():
+    """Gaps between compute kernels, grouped by the kernel that ended them and the collective running most inside
+    them; two overlapping collectives in one gap count once in the idle time a collective covers."""
+    kernels = []
+    for step in range(2):
+        t = step * 10_000
+        kernels += [
+            ("nvjet_tst_128x256", t, t + 2_000),
+            ("ncclDevKernel_AllGather", t + 1_900, t + 2_800),  # 800 of the 1000-us gap after the GEMM
+            ("ncclDevKernel_ReduceScatter", t + 2_500, t + 2_700),  # inside the all-gather: counted once
+            ("block_forward", t + 3_000, t + 4_000),
+            ("optimizer_kernel", t + 4_400, t + 5_000),  # 400 us with nothing running; 5 ms to the next step
+        ]
+    kinds, _, gaps = bench_table.kernel_breakdown(kernels, wall_ms=10.0, steps=2)
+    assert kinds["compute busy"] == 3.6 and kinds["compute idle"] == 6.4
+    assert kinds["idle between kernels"] == 3.9 and kinds["idle, a collective running"] == 0.8
+    assert gaps == [
+        [2.5, 0.5, "nvjet_tst_128x256", ""],  # between the two steps
+        [1.0, 1.0, "block_forward", "ncclDevKernel_AllGather"],
+        [0.4, 1.0, "optimizer_kernel", ""],
     ]
 
 
