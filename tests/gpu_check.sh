@@ -28,9 +28,9 @@
 #                                      config of the host's kind (WHOLE_CONFIG; configs/systems/H100_01x04.yaml on 4
 #                                      H100), profiled: stock FSDP2 at micro-batch 8 without checkpointing, stock with
 #                                      diffusers' checkpointing, ours bf16 and FP8 delayed, in the config's layout
-#                                      and micro-batch (WHOLE_MB sets another); WHOLE_ROWS="stock stock-ac bf16 fp8" picks (on 4 H100
-#                                      stock took 3 minutes, FP8 6.5 of which 2.2 its start-up: give it STAGE_TIMEOUT=480;
-#                                      two rows at most fit a 10-minute call)
+#                                      and micro-batch (WHOLE_MB sets another, EXTRA="--set k=v" more settings of
+#                                      our rows); WHOLE_ROWS="stock stock-ac bf16 fp8" picks (on 4 H100 unprofiled:
+#                                      stock 45-90 s, bf16 80 s, FP8 100-155 s, the row's row_s; all four fit a call)
 #   bash tests/gpu_check.sh trainer    the trainer itself on all GPUs, the whole model as a system config runs it
 #                                      (TRAINER_CONFIG; default configs/systems/H100_01x04.yaml, H200_01x04.yaml on
 #                                      H200s) on synthetic data of the bench's shapes, TRAINER_STEPS (30) steps:
@@ -197,7 +197,7 @@ EOF
     SYS=${WHOLE_CONFIG:-configs/systems/$(kind)_01x0$NGPU.yaml}
     GBS=$(of_config "$SYS" cfg.train.global_batch_size) MB=${WHOLE_MB:-$(of_config "$SYS" cfg.train.micro_batch_size)}
     WHOLE="--mode step --config $SYS --steps 2 ${NO_PROFILE:---profile}" ACC=$((GBS / (MB * NGPU)))
-    OURS="$WHOLE --rows ours --set train.micro_batch_size=$MB --accum $ACC --set perf.warmup_iters=1"
+    OURS="$WHOLE --rows ours --set train.micro_batch_size=$MB --accum $ACC --set perf.warmup_iters=1 ${EXTRA:-}"
     for row in ${WHOLE_ROWS:-stock stock-ac bf16 fp8}; do
       case $row in
         stock) tbench $WHOLE --rows stock --set parallel.activation_checkpointing=false --set train.micro_batch_size=8 \
