@@ -258,7 +258,7 @@ class PerfConfig:
     fp8_gelu_in_cast: bool = setting(
         False,
         "delayed scaling: the MLPs' GELU applied by the FP8 cast of the next Linear's input as it reads, instead "
-        "of a bf16 GELU written first (measured no faster; docs/performance.md)",
+        "of a bf16 GELU written first (faster alone, no faster in the whole model's step; docs/performance.md)",
     )
     warmup_iters: int = setting(
         0,
