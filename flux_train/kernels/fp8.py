@@ -124,9 +124,9 @@ def scaled_mm_into(
 class _TensorwiseLinear(torch.autograd.Function):
     """x2 @ weight^T + bias with one scale per tensor. `scales` [3] (x, w, dY; 0 = current scaling) are read,
     `amax` [2] (x, w) and `amax_grad` [1] (dY) raised to this call's maxima; the weight gradient is written
-    into `sink` where one is given. `recast_weight`: the backward casts the weight again (at the forward's scale, the same
-    bits) instead of keeping its e4m3 transpose from the forward: under FSDP the weight is gathered again for the
-    backward anyway, and the kept copies were one byte per parameter of the whole model on every rank. With
+    into `sink` where one is given. `recast_weight`: the backward casts the weight again (at the forward's scale,
+    the same bits) instead of keeping its e4m3 transpose from the forward: under FSDP the weight is gathered again
+    for the backward anyway, and the kept copies were one byte per parameter of the whole model on every rank. With
     `gelu_tail` the input is [x2 | gelu(gelu_tail)], joined by the cast as it reads (FP8Linear.gelu_forward)."""
 
     @staticmethod

@@ -15,9 +15,9 @@ whole tensor alone (one SM), which made the whole model's first steps at micro-b
 Returns (q or, without `rows`, an empty tensor, q transposed or an empty tensor, the scale used, and with
 `column_sums` x's fp32 sums over its rows: a bias gradient when x is the output gradient, at no extra read); the
 kernels' LAYOUTS says which it writes (1: q, 2: q transposed, 3: both). `cast_transpose_pair` casts a GEMM's two
-forward operands (x and W, the same K) in the same launches (one kernel and its sweep): inside a captured step the launches, not the bytes, are
-what the small casts cost. The pair's first operand can come as [head | gelu(tail)]: the kernel
-applies the GELU (torch's tanh approximation, rounded to bf16 as torch's GELU writes it) and the join as it reads,
+forward operands (x and W, the same K) in the same two launches: inside a captured step the launches, not the
+bytes, are what the small casts cost. The pair's first operand can come as [head | gelu(tail)]: the kernel applies
+the GELU (torch's tanh approximation, rounded to bf16 as torch's GELU writes it) and the join as it reads,
 so a GELU's output is never written in bf16 to be read again by its cast (`gelu_tail`, FP8Linear.gelu_forward).
 
 The Triton path is a `torch.library.triton_op`: torch.compile calls the kernels as they are (Inductor does not
@@ -289,10 +289,11 @@ if HAVE_TRITON:
 
 
 def _on_triton(x: torch.Tensor, impl: str) -> bool:
-    """Whether the Triton kernels cast x (`impl`: see cast_transpose), else torch ops. `auto` casts fp32 operands (train.compute_dtype=float32: the debug model) in torch ops:
-    on an H100 the kernel's transposed output of fp32 operands came out wrong (an all-zero fp32 [256, 64] tensor's
-    transpose held non-zero bytes; e4m3 NaNs in the debug model's step-1 weight gradients), while bf16 operands of
-    every shape match torch bit for bit (tests/gpu/test_gpu.py)."""
+    """Whether the Triton kernels cast x (`impl`: see cast_transpose), else torch ops. `auto` casts fp32 operands
+    (train.compute_dtype=float32: the debug model) in torch ops: on an H100 the kernel's transposed output of fp32
+    operands came out wrong (an all-zero fp32 [256, 64] tensor's transpose held non-zero bytes; e4m3 NaNs in the
+    debug model's step-1 weight gradients), while bf16 operands of every shape match torch bit for bit
+    (tests/gpu/test_gpu.py)."""
     if not (impl == "triton" or (impl == "auto" and HAVE_TRITON and x.is_cuda and x.dtype != torch.float32)):
         return False
     if not kernels_run_on(x.device):

@@ -184,7 +184,7 @@ def _print_casts(casts: list[dict]) -> None:
         for m, k, count, us, gbps in r["shapes"]:
             print(f"  {m:6d} x {k:6d} x{count:4d}: {us:8.1f} us {gbps:6d} GB/s")
         if "gelu" in r:
-            print("  with a GELU, x and W in one launch: applied by the cast, or written in bf16 first (Inductor)")
+            print("  with a GELU, x and W cast together: applied by the cast, or written in bf16 first (Inductor)")
             for m, head, tail, count, fused, apart in r["gelu"]:
                 print(f"  {m:6d} x {head:5d}+{tail:5d} x{count:4d}: {fused:8.1f} us in the cast {apart:8.1f} us apart")
 

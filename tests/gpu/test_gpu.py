@@ -161,7 +161,7 @@ def test_fp8_cast_kernel_writes_torch_e4m3_bits():
             assert torch.equal(s, scale if history else (amax / fmax).reshape(())), where
             assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), where
             assert torch.equal(qt.view(torch.uint8), want.t().contiguous().view(torch.uint8)), where
-    # a GEMM's x and W in one launch, with and without histories: each operand's bits as its own launch writes them
+    # a GEMM's x and W cast together, with and without histories: each operand's bits as its own cast writes them
     x, w = (torch.randn(rows, 3072, device="cuda", generator=g).bfloat16() for rows in (4096, 9216))
     for scales in ([0.0, 0.0001], [0.0, 0.0], [0.0002, 0.0]):
         scales, amax = torch.tensor(scales, device="cuda"), torch.zeros(2, device="cuda")

@@ -64,7 +64,7 @@ def compiled(warps: int, kernel: str = "_cast_transpose_kernel", **constants) ->
 
 
 def test_the_fp8_cast_kernel_fits_an_h200_s_memory_bound_budget_and_spills_nothing():
-    """The kernel holds two copies of the tile's code (the GEMM's first operand and its weight, one launch): the
+    """The kernel holds two copies of the tile's code (the GEMM's first operand and its weight, cast together): the
     plain cast's instructions an element = count / 2 / (elements a thread). With the GELU (the launch's own warps),
     no register spills to local memory; nor in the plain kernel that casts the operands without a history (the
     first steps)."""

@@ -93,7 +93,7 @@ def test_cast_kernel_matches_its_torch_reference(shape, history_scale, fp8):
 
 @pytest.mark.parametrize("scales", [(0.0, 0.004), (0.003, 0.0), (0.0, 0.0)])  # current and delayed, either way round
 def test_cast_pair_kernel_casts_each_operand_as_the_single_kernel_does(scales):
-    """x and W of one GEMM cast in one launch (ragged tiles, more rows in either) give each operand the values,
+    """x and W of one GEMM cast in the same launches (ragged tiles, more rows in either) give each operand the values,
     both layouts, scale and amax that a launch of its own gives, and the torch path agrees."""
     from flux_train.kernels.fp8_cast import _cast_transpose_pair_triton, _cast_transpose_triton, cast_transpose_pair
 
