@@ -38,7 +38,8 @@
 #                                      the same command resumed to the end, an eval and a final save where a second
 #                                      checkpoint fits (TRAINER_DIR the run folder, default in /dev/shm where the
 #                                      12B state, 143 GB, fits; FP8=delayed for FP8; TRAINER_PHASE=preempt, then
-#                                      resume: the two runs in two calls; each run cut at TRAINER_TIMEOUT, 560 s)
+#                                      resume: the two runs in two calls; each run cut at TRAINER_TIMEOUT, 560 s;
+#                                      EXTRA="--set k=v" more settings)
 #   bash tests/gpu_check.sh checkpoint save/load and async-save timings of the trainer's full state on all GPUs,
 #                                      flux-schnell's width at reduced depth (the 12B state, ~167 GB, is larger
 #                                      than some machines' disks); the GB/s rates carry over to the full model
@@ -228,7 +229,7 @@ EOF
       --set data.source=synthetic --set data.synthetic_text_len=256 --set data.synthetic_latent_size=32
       --set perf.warmup_latent_size=32 --set data.synthetic_train_samples=512 --set data.synthetic_val_samples=256
       --set perf.fp8="${FP8:-none}" --set logging.log_every=5 --set train.max_steps="$N" --set eval.every_steps="$N"
-      --set checkpoint.keep=1 --set checkpoint.final="$FINAL" --set preflight.min_free_disk_gb="$CKPT_GB")
+      --set checkpoint.keep=1 --set checkpoint.final="$FINAL" --set preflight.min_free_disk_gb="$CKPT_GB" ${EXTRA:-})
     # TRAINER_PHASE: both (one call: ~15 min for the 12B state on a local disk), preempt, or resume (two calls,
     # the machine held between them: the run folder stays)
     if [ "$PHASE" != resume ]; then
