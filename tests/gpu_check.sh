@@ -199,6 +199,7 @@ EOF
     GBS=$(of_config "$SYS" cfg.train.global_batch_size) MB=${WHOLE_MB:-$(of_config "$SYS" cfg.train.micro_batch_size)}
     WHOLE="--mode step --config $SYS --steps 2 ${NO_PROFILE:---profile}" ACC=$((GBS / (MB * NGPU)))
     OURS="$WHOLE --rows ours --set train.micro_batch_size=$MB --accum $ACC --set perf.warmup_iters=1 ${EXTRA:-}"
+    log "whole: $SYS, ours $(of_config "$SYS" cfg.parallel.strategy) at $MB x $ACC a GPU"
     for row in ${WHOLE_ROWS:-stock stock-ac bf16 fp8}; do
       case $row in
         stock) tbench $WHOLE --rows stock --set parallel.activation_checkpointing=false --set train.micro_batch_size=8 \
