@@ -237,13 +237,16 @@ EOF
       rm -rf "$RUN"; mkdir -p "$RUN"; echo "$FINAL" > "$RUN/.final"
       # preempted as Slurm would (SIGUSR2 to the workers) at the first logged step: a checkpoint at the next one
       # and exit 75
-      "${TRAIN[@]}" > "$OUT/trainer.log" 2>&1 &
-      AGENT=$! DEADLINE=$((SECONDS + TLIMIT))
-      until grep -q "^step " "$OUT/trainer.log" || ! kill -0 $AGENT 2>/dev/null || [ $SECONDS -gt $DEADLINE ]; do
+      # the run cut at TLIMIT too: it stops at the logged step after the signal (the stop vote rides on the
+      # metrics' all-reduce), saves, and on a 12B state the save's first copy into pinned host memory took 150 s
+      # (4 H200); TRAINER_STEPS should leave a logged step after the first one
+      timeout "$TLIMIT" "${TRAIN[@]}" > "$OUT/trainer.log" 2>&1 &
+      CUT=$! DEADLINE=$((SECONDS + TLIMIT))
+      until grep -q "^step " "$OUT/trainer.log" || ! kill -0 $CUT 2>/dev/null || [ $SECONDS -gt $DEADLINE ]; do
         sleep 2
       done
-      pkill -USR2 -P $AGENT
-      wait $AGENT; log "trainer: the preempted run exited $? (torchrun says 1 when its workers stop with 75, saved)"
+      pkill -USR2 -P "$(pgrep -P $CUT)"  # the workers: children of torchrun, the child of timeout
+      wait $CUT; log "trainer: the preempted run exited $? (torchrun says 1 when its workers stop with 75, saved)"
       grep -h "^step \|saved\|stopped\|finished" "$OUT/trainer.log" | tee "$OUT/trainer.txt"
     fi
     if [ "$PHASE" != preempt ]; then
