@@ -434,7 +434,9 @@ def main(argv=None) -> int:
     cfg = resolve_config(args)
     from flux_train.tools.plan import submit_line  # imports torch (the model's size): only once the config is good
 
-    plan = submit_line(cfg)  # refuses a job whose memory cannot fit its GPUs, naming what would
+    plan, warnings = submit_line(cfg)  # refuses a job whose memory cannot fit its GPUs, naming what would
+    for warning in warnings:
+        print(f"submit: warning: {warning}", file=sys.stderr)
     if local_image_missing(cfg.container):
         print(
             f"submit: warning: container.image {cfg.container.image} does not exist on this host; the job's srun "

@@ -351,6 +351,8 @@ def checkpoint_plan(cfg: Config, figs: Figures, notes: Notes, step: float | None
     if not cfg.checkpoint.every_steps:
         return out
     write = notes.use("checkpoint write", figs.figure("checkpoint_write_gb_s"), f"not measured for {figs.kind}")
+    if write is not None:  # a run's last save (at Slurm's warning signal, or the final one) is written at once
+        out["last_save_s"] = size / nodes / (write * 1e9)
     read = figs.figure("checkpoint_read_gb_s")
     if read is not None:  # every node reads the weights and all optimizer shards (the node's GPUs hold them all)
         out["resume_s"] = size / (read[0] * 1e9)

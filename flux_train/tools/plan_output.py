@@ -3,6 +3,7 @@ the check's table, and the one line `submit` prints (`submit_line`), or its refu
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from flux_train.config import Config
@@ -26,12 +27,30 @@ def refusal(cfg: Config, figs: Figures, mem: dict) -> str:
     )
 
 
-def submit_line(cfg: Config) -> str:
-    """The job's plan in one line, as `submit --dry-run` prints it. Raises PlanError when the job's memory cannot
-    fit its GPUs, naming the layout or micro-batch that would."""
+def signal_warning(cfg: Config, ck: dict, step_s: float | None) -> str | None:
+    """Whether Slurm's warning signal (slurm.signal_delay_s before the limit) leaves time for the checkpoint it asks
+    for: the steps to the next logged one, where the workers act, and the save at the measured write rate, with 20 %
+    to spare; else what to set."""
+    if ck.get("last_save_s") is None or not step_s:
+        return None
+    to_logged = cfg.logging.log_every * step_s
+    needed = 1.2 * (to_logged + ck["last_save_s"])
+    if needed <= cfg.slurm.signal_delay_s:
+        return None
+    return (
+        f"slurm.signal_delay_s={cfg.slurm.signal_delay_s} may not leave time for the checkpoint Slurm's warning asks "
+        f"for: up to {cfg.logging.log_every} steps to the next logged one ({to_logged:.0f} s), then a "
+        f"{ck['gb']:.0f} GB save at the write rate measured ({ck['last_save_s']:.0f} s); set it to "
+        f"{60 * math.ceil(needed / 60)} or more (less on storage that writes faster)"
+    )
+
+
+def submit_line(cfg: Config) -> tuple[str, list[str]]:
+    """The job's plan in one line, as `submit --dry-run` prints it, and warnings for the job. Raises PlanError when
+    the job's memory cannot fit its GPUs, naming the layout or micro-batch that would."""
     kind = cfg.preflight.gpu_name
     if not kind:
-        return "# plan: no GPU kind to plan for (set preflight.gpu_name, e.g. H200)"
+        return "# plan: no GPU kind to plan for (set preflight.gpu_name, e.g. H200)", []
     figs = Figures(kind)
     try:
         rcp = rcp_points(cfg.train.global_batch_size)
@@ -59,9 +78,11 @@ def submit_line(cfg: Config) -> str:
     )
     ck = p["checkpoint"]
     disk = f"checkpoint disk {ck['disk_gb']:.0f} GB ({cfg.checkpoint.keep} + 1 x {ck['gb']:.0f} GB)"
-    return (
+    line = (
         f"# plan ({kind} x {p['gpus']}, {p['layout']}, micro-batch {p['micro_batch']}): {fits}; {step}; {ttt}; {disk}"
     )
+    warning = signal_warning(cfg, ck, p["step_s"])
+    return line, [warning] if warning else []
 
 
 def print_check(results: list[dict]) -> None:
@@ -131,6 +152,9 @@ def print_plan(config: str, cfg: Config, figs: Figures, rcp: dict, plans: list[d
     last = shown[-1]
     print(memory_line(last))
     print(checkpoint_line(cfg, last["checkpoint"]))
+    warning = signal_warning(cfg, last["checkpoint"], last["step_s"])
+    if warning:
+        print(f"warning: {warning}")
     print(f"warm-up before run_start (off the clock): {warmup_text(last['warmup'])}")
     t = last.get("time_to_train")
     if t and t["mean_min"] > cfg.slurm.time_min:
@@ -174,6 +198,8 @@ def checkpoint_line(cfg: Config, ck: dict) -> str:
         line += f"; a save every {ck['every_steps']} steps holds the loop {ck['stall_s']:.2f} s"
     if "resume_s" in ck:
         line += f"; a resume reads it in {ck['resume_s']:.0f} s"
+    if "last_save_s" in ck:
+        line += f"; a save at Slurm's warning signal writes for {ck['last_save_s']:.0f} s"
     return line
 
 

@@ -319,9 +319,11 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
-    def save(self, step: int, parts: dict[str, Stateful]) -> Path:
+    def save(self, step: int, parts: dict[str, Stateful], last: bool = False) -> Path:
         """Write a checkpoint of `parts` as they are at `step`; returns its final folder (complete on return unless
-        async)."""
+        async). `last`: the run ends after it (a preemption's save, the final one), so it is written at once, never
+        staged: nothing trains during the write, and a first staging allocates the pinned host buffers (the 12B
+        state's paused the loop 150 s on 4 H200, more than Slurm's default warning before a preemption)."""
         self.wait()
         rank = dist.get_rank()
         # as of now: training goes on during an async save
@@ -343,7 +345,7 @@ class Checkpointer:
         _on_every_rank(final, start)  # a collective: the folder exists for every rank after it
         _on_every_rank(final, write_own)
         layout = parts["layout"]
-        if self.async_save:
+        if self.async_save and not last:
             future = dcp.async_save(
                 layout.state_dict(), checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager
             )

@@ -212,12 +212,13 @@ class Trainer:
         """What a checkpoint holds, by name (flux_train.training.checkpoint)."""
         return {"progress": self.state, "layout": self.layout, "loader": self.data.train, "precision": self.precision}
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, last: bool = False) -> Path:
+        """A checkpoint of this step; `last` where the run ends after it (Checkpointer.save)."""
         self.heartbeat.beat(self.state.step, "checkpoint")
         started = time.monotonic()
-        path = self.checkpointer.save(self.state.step, self.parts)
+        path = self.checkpointer.save(self.state.step, self.parts, last)
         took = time.monotonic() - started
-        if self.checkpointer.async_save:  # the write goes on in the background
+        if self.checkpointer.async_save and not last:  # the write goes on in the background
             self._say(f"saving checkpoint {path} (training paused {took:.1f} s for the copy to host memory)")
         elif self.dist.is_main:  # a 12B model's state is 143 GB: how fast this storage writes it matters
             gb = checkpoint.folder_bytes(path) / 1e9
@@ -367,7 +368,7 @@ class Trainer:
             return
         if checkpoint.step_folder(self.checkpointer.root, self.state.step).is_dir():  # the cap was a checkpoint step
             return
-        self.save_checkpoint()
+        self.save_checkpoint(last=True)
         self.checkpointer.close()
 
     def _complete_final(self, step: int) -> Status:
@@ -377,7 +378,7 @@ class Trainer:
         start = self.state.step
         while self.state.step < step:
             self.train_step()
-        path = self.save_checkpoint()
+        path = self.save_checkpoint(last=True)
         self.checkpointer.close()
         self._say(f"completed the final checkpoint {path} of the finished run (steps {start + 1}-{step} again)")
         return Status.COMPLETED
@@ -395,7 +396,7 @@ class Trainer:
             if end.kind is End.EVAL and self._eval_reached(metrics):
                 return Status.SUCCESS
             if end.stop:
-                self.save_checkpoint()
+                self.save_checkpoint(last=True)
                 return Status.PREEMPTED
             if end.checkpoint:
                 self.save_checkpoint()

@@ -254,6 +254,18 @@ def test_an_async_save_holds_the_state_of_its_step_and_completes_at_the_next_wai
     assert (restored.weights == 1).all()
 
 
+def test_a_runs_last_save_is_written_at_once_even_where_saves_are_async(one_rank, tmp_path):
+    """A preemption's save and the final one: nothing trains after them, so they are not staged (on a GPU that
+    would first allocate the pinned buffers: minutes for a 12B state) but complete when save returns."""
+    saver, layout = checkpoint.Checkpointer(tmp_path, keep=2, async_save=True), TwoTensors(1.0)
+    path = saver.save(4, run_parts(4, layout), last=True)
+    assert saver.pending is None and checkpoint.list_checkpoints(tmp_path) == [path]
+    saver.close()
+    restored = TwoTensors(0.0)
+    checkpoint.load(path, run_parts(0, restored))
+    assert (restored.weights == 1).all()
+
+
 def test_a_save_that_cannot_be_written_is_a_storage_error_naming_the_checkpoint(one_rank, tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("where the checkpoint folder goes")

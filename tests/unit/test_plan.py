@@ -214,6 +214,19 @@ def test_submit_dry_run_prints_the_plan_line(capsys, tmp_path):
     assert f"checkpoint disk {5 * params * 14 / 1e9:.0f} GB" in line  # bf16 weights + fp32 master and moments, x 5
 
 
+def test_a_signal_too_close_to_the_limit_for_the_checkpoint_it_asks_for_is_warned_with_what_to_set(capsys, tmp_path):
+    """One node of 8 H200 writes its 166.5 GB at the 0.46 GB/s measured: Slurm's warning at the default 120 s before
+    the limit would cut that save; the warning's own advice silences it."""
+    argv = ["--config", H200, "--dry-run", "--set", f"slurm.folder={tmp_path}/%j"]
+    assert sub.main(argv) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "slurm.signal_delay_s=120" in line]
+    assert len(warned) == 1 and warned[0].startswith("submit: warning:") and "166 GB save" in warned[0]
+    advised = re.search(r"set it to (\d+) or more", warned[0])
+    assert advised and int(advised.group(1)) > 1.2 * 166.5 / 0.46
+    assert sub.main([*argv, "--set", f"slurm.signal_delay_s={advised.group(1)}"]) == 0
+    assert "signal_delay_s" not in capsys.readouterr().err
+
+
 def test_submit_refuses_a_job_that_cannot_fit_and_names_what_would(capsys, tmp_path):
     """2 H200 per node: ddp at micro-batch 8 was measured at 137.9 GiB and failed in NCCL; the plan refuses it and
     16, and what it proposes is accepted."""
