@@ -218,7 +218,7 @@ class Trainer:
         started = time.monotonic()
         path = self.checkpointer.save(self.state.step, self.parts, last)
         took = time.monotonic() - started
-        if self.checkpointer.async_save and not last:  # the write goes on in the background
+        if self.checkpointer.pending:  # an async save: the write goes on in the background
             self._say(f"saving checkpoint {path} (training paused {took:.1f} s for the copy to host memory)")
         elif self.dist.is_main:  # a 12B model's state is 143 GB: how fast this storage writes it matters
             gb = checkpoint.folder_bytes(path) / 1e9
