@@ -157,6 +157,18 @@ def test_projection_against_the_measured_steps(capsys, tmp_path):
             assert r["projected_samples_s_per_gpu"] == pytest.approx(r["measured_samples_s_per_gpu"], rel=0.10), r
 
 
+def test_a_checkpointed_fsdp_step_peaks_with_its_gradient_shards_written(capsys, tmp_path):
+    """fsdp with activation checkpointing at one micro-batch a step (6 + 12 blocks on two H200, FP8 at 128 x 1): the
+    peak comes late in the backward, where every block's fp32 gradient shard is written, not at its start, where the
+    activations are few. Counted, the peak within 5 % (left out: 19.5 % low)."""
+    checked = plan_json(capsys, tmp_path, "--config", H200, "--check")
+    (row,) = [
+        r for r in checked if r["blocks"] == [6, 12] and r["micro_batch"] == 128 and r["layout"].startswith("fsdp")
+    ]
+    assert row["accumulation"] == 1
+    assert row["projected_peak_gib"] == pytest.approx(row["measured_peak_gib"], rel=0.05), row
+
+
 def test_four_rank_steps_with_and_without_activation_checkpointing(capsys, tmp_path):
     """The whole model on 4 H100 under fsdp, each configuration projected from the others' rows: micro-batch 8 x 2
     (communication-bound) and 32 x 4 with activation checkpointing (compute-bound: every block's forward runs again,
