@@ -433,3 +433,17 @@ def _token_linear_param_count(model_json: str) -> int:
 def token_linear_param_count(mcfg: ModelConfig) -> int:
     """The parameters of the Linears `is_token_linear` selects (those perf.fp8 runs in FP8)."""
     return _token_linear_param_count(json.dumps(dataclasses.asdict(mcfg)))
+
+
+@functools.lru_cache
+def _largest_block_param_count(model_json: str) -> int:
+    return max(
+        (count_params(b) for stack in block_stacks(build_model(ModelConfig(**json.loads(model_json)))) for b in stack),
+        default=0,
+    )
+
+
+def largest_block_param_count(mcfg: ModelConfig) -> int:
+    """The parameters of the model's largest block (a double block of flux-schnell's: 339.8 M), the unit FSDP
+    gathers and reduces."""
+    return _largest_block_param_count(json.dumps(dataclasses.asdict(mcfg)))

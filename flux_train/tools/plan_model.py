@@ -6,7 +6,8 @@ Per GPU, with P parameters, S GPUs sharing the optimizer state (a node) and R re
 - memory: ddp holds the weights and a gradient buffer in the compute dtype and 12 P / S bytes of fp32 master
   weights and AdamW moments (flux_train/training/ddp.py); fsdp holds 12 P / S, the fp32 gradient shards between
   micro-batches when accumulating (and with activation checkpointing, whose peak comes late in the backward), and
-  two blocks' gathered weights (flux_train/training/fsdp.py). Our FP8
+  its largest block four times: gathered, the next one prefetched, and in backward the block's unsharded gradient
+  twice (flux_train/training/fsdp.py). Our FP8
   (perf.fp8 delayed or tensorwise) under ddp keeps one byte per FP8 parameter from forward to backward (the
   transposed e4m3 weights; with activation checkpointing a block's at a time); under fsdp none (the backward casts
   the weights it gathers again). Activations: micro-batch x blocks x the figure per sample and block of one-GPU
@@ -40,7 +41,7 @@ from flux_train.config import (
     graph_blocker,
     mesh_shape,
 )
-from flux_train.model.flux import flops_per_sample, param_count, token_linear_param_count
+from flux_train.model.flux import flops_per_sample, largest_block_param_count, param_count, token_linear_param_count
 from flux_train.precision_recipes import RECIPES
 from flux_train.tools.bench_table import fp8_impl_of, precision_of
 from flux_train.tools.plan_figures import Figures, row_config, step_setup
@@ -154,16 +155,18 @@ def memory(cfg: Config, figs: Figures, notes: Notes) -> dict:
     """Peak memory per GPU by layout, and whether it fits with the headroom kept free."""
     world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
     shards = mesh_shape(cfg.parallel, world, cfg.slurm.gpus_per_node)[1]
-    params, blocks = param_count(cfg.model), block_count(cfg)
+    params = param_count(cfg.model)
     width = getattr(torch, cfg.train.compute_dtype).itemsize
     if cfg.parallel.strategy == "ddp":  # replicated weights and gradient buffer; fp32 master and moments sharded
         state = 2 * width * params + 12 * params / shards
-    else:  # fp32 weights and moments sharded; two blocks gathered; the fp32 gradient shards while accumulating, and
-        # with checkpointing always: its peak comes late in the backward, the shards written (on two H200, 6 + 12
-        # blocks, FP8 at 128 x 1, left out: 19.5 % low; counted: 3.4 %)
+    else:  # fp32 weights and moments sharded; the fp32 gradient shards while accumulating, and with checkpointing
+        # always: its peak comes late in the backward, the shards written (on two H200, 6 + 12 blocks, FP8 at
+        # 128 x 1, left out: 19.5 % low). The largest block four times in the compute dtype: gathered, with the next
+        # one prefetched, and in backward its unsharded gradient, autograd's and packed for the reduce-scatter
+        # (counted as two average blocks, the checkpointed rows at 32 x 4 came out 1.3-2.6 GiB low)
         late = accumulation_steps(cfg, world) > 1 or cfg.parallel.activation_checkpointing
         grads = 4 * params / shards if late else 0
-        state = 12 * params / shards + grads + 2 * width * params / blocks
+        state = 12 * params / shards + grads + 4 * width * largest_block_param_count(cfg.model)
     state += fp8_weight_bytes(cfg)  # held from the forward to the backward, like state
     per_block = notes.use("activations", activation_figure(cfg, figs), "no forward+backward row with a peak", False)
     out = {"state_gib": state / GIB, "activations_gib": None, "peak_gib": state / GIB, "capacity_gib": None}

@@ -16,7 +16,13 @@ import torch
 
 from flux_train.cluster import submit as sub
 from flux_train.config import EVAL_SAMPLES, load_config
-from flux_train.model.flux import build_model, count_params, flops_per_sample, token_linear_param_count
+from flux_train.model.flux import (
+    build_model,
+    count_params,
+    flops_per_sample,
+    largest_block_param_count,
+    token_linear_param_count,
+)
 from flux_train.tools import plan
 from flux_train.training.ddp import DDP
 
@@ -157,16 +163,18 @@ def test_projection_against_the_measured_steps(capsys, tmp_path):
             assert r["projected_samples_s_per_gpu"] == pytest.approx(r["measured_samples_s_per_gpu"], rel=0.10), r
 
 
-def test_a_checkpointed_fsdp_step_peaks_with_its_gradient_shards_written(capsys, tmp_path):
-    """fsdp with activation checkpointing at one micro-batch a step (6 + 12 blocks on two H200, FP8 at 128 x 1): the
-    peak comes late in the backward, where every block's fp32 gradient shard is written, not at its start, where the
-    activations are few. Counted, the peak within 5 % (left out: 19.5 % low)."""
+def test_a_checkpointed_fsdp_step_peaks_with_its_gradient_shards_and_largest_block_held(capsys, tmp_path):
+    """fsdp with activation checkpointing (6 + 12 blocks on two H200, FP8 at 32 x 4 and 128 x 1): the peak comes late
+    in the backward, where every block's fp32 gradient shard is written, also at one micro-batch a step, and FSDP
+    holds its largest block (a double block, 339.8 M parameters) gathered, the next one prefetched, and its gradient
+    unsharded twice. Counted, each peak within 3 % (the shards left out at 128 x 1: 19.5 % low; two average blocks
+    instead of the largest four times at 32 x 4: 7.4 % low)."""
+    assert largest_block_param_count(load_config(H200).model) == 339_831_296
     checked = plan_json(capsys, tmp_path, "--config", H200, "--check")
-    (row,) = [
-        r for r in checked if r["blocks"] == [6, 12] and r["micro_batch"] == 128 and r["layout"].startswith("fsdp")
-    ]
-    assert row["accumulation"] == 1
-    assert row["projected_peak_gib"] == pytest.approx(row["measured_peak_gib"], rel=0.05), row
+    rows = [r for r in checked if r["blocks"] == [6, 12] and r["layout"].startswith("fsdp")]
+    assert {(r["micro_batch"], r["accumulation"]) for r in rows} == {(32, 4), (128, 1)}
+    for row in rows:
+        assert row["projected_peak_gib"] == pytest.approx(row["measured_peak_gib"], rel=0.03), row
 
 
 def test_four_rank_steps_with_and_without_activation_checkpointing(capsys, tmp_path):
