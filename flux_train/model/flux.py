@@ -415,35 +415,30 @@ def flops_per_sample(mcfg: ModelConfig, text_len: int, image_tokens: int) -> flo
 
 
 @functools.lru_cache
-def _param_count(model_json: str) -> int:
-    return count_params(build_model(ModelConfig(**json.loads(model_json))))
+def _parameter_counts(model_json: str) -> tuple[int, int, int]:
+    """(all, the token Linears', the largest block's) parameters of a model config, from one model built on the
+    meta device."""
+    model = build_model(ModelConfig(**json.loads(model_json)))
+    token_linears = sum(count_params(m) for fqn, m in model.named_modules() if is_token_linear(fqn, m))
+    largest_block = max((count_params(b) for stack in block_stacks(model) for b in stack), default=0)
+    return count_params(model), token_linears, largest_block
+
+
+def _counts(mcfg: ModelConfig) -> tuple[int, int, int]:
+    return _parameter_counts(json.dumps(dataclasses.asdict(mcfg)))
 
 
 def param_count(mcfg: ModelConfig) -> int:
     """The parameter count of the model `mcfg` builds, from the model built on the meta device (once per model)."""
-    return _param_count(json.dumps(dataclasses.asdict(mcfg)))
-
-
-@functools.lru_cache
-def _token_linear_param_count(model_json: str) -> int:
-    model = build_model(ModelConfig(**json.loads(model_json)))
-    return sum(count_params(m) for fqn, m in model.named_modules() if is_token_linear(fqn, m))
+    return _counts(mcfg)[0]
 
 
 def token_linear_param_count(mcfg: ModelConfig) -> int:
     """The parameters of the Linears `is_token_linear` selects (those perf.fp8 runs in FP8)."""
-    return _token_linear_param_count(json.dumps(dataclasses.asdict(mcfg)))
-
-
-@functools.lru_cache
-def _largest_block_param_count(model_json: str) -> int:
-    return max(
-        (count_params(b) for stack in block_stacks(build_model(ModelConfig(**json.loads(model_json)))) for b in stack),
-        default=0,
-    )
+    return _counts(mcfg)[1]
 
 
 def largest_block_param_count(mcfg: ModelConfig) -> int:
     """The parameters of the model's largest block (a double block of flux-schnell's: 339.8 M), the unit FSDP
     gathers and reduces."""
-    return _largest_block_param_count(json.dumps(dataclasses.asdict(mcfg)))
+    return _counts(mcfg)[2]
