@@ -46,12 +46,12 @@ class SyntheticTrainStream(TrainStream):
         self._epoch_order: tuple[int, torch.Tensor] | None = None
 
     def _order(self, epoch: int) -> torch.Tensor:
-        if self._epoch_order is None or self._epoch_order[0] != epoch:
-            self._epoch_order = (
-                epoch,
-                torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)),
-            )
-        return self._epoch_order[1]
+        # read once: a thread still making batches for an old position may replace it meanwhile
+        order = self._epoch_order
+        if order is None or order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = self._epoch_order = (epoch, torch.randperm(self.n, generator=generator))
+        return order[1]
 
     def _batch(self, micro_batch: int) -> dict:
         """This rank's `micro_batch`-th micro-batch (counted from the run's start)."""
