@@ -9,7 +9,7 @@ from flux_train.config import load_config
 from flux_train.data.sources import build_synthetic, made_ahead
 
 
-def stream(rank: int, world: int, *overrides: str):
+def stream(rank: int, world: int):
     cfg = load_config(
         "configs/debug.yaml",
         [
@@ -18,7 +18,6 @@ def stream(rank: int, world: int, *overrides: str):
             "data.synthetic_val_samples=4",
             "train.global_batch_size=8",
             "train.micro_batch_size=2",
-            *overrides,
         ],
     )
     return build_synthetic(cfg, rank, world).train
