@@ -93,7 +93,8 @@ def host_tensor(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 def made_ahead(batches: Iterator[dict], depth: int) -> Iterator[dict]:
     """`batches`, each made by a thread of its own while the `depth` before it are used. Gathering a synthetic
     micro-batch of 32 at 256 + 256 tokens (68 MB) on the training thread took 82 ms under torchrun (one OpenMP
-    thread a rank), with the GPU idle: four of them 328 ms of a 1867 ms step of flux-schnell's width at 6 + 12 blocks."""
+    thread a rank), with the GPU idle: four of them 328 ms of a 1867 ms step of flux-schnell's width at 6 + 12
+    blocks."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="flux-synthetic-data")
     pending = collections.deque(pool.submit(next, batches, None) for _ in range(max(depth, 1)))
     try:
